@@ -1,0 +1,67 @@
+package main
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+	"go.uber.org/zap"
+)
+
+// FenceCmd groups operator tools on the stored tokens.
+type FenceCmd struct {
+	Show  FenceShowCmd  `cmd:"" help:"List the highest admitted token of every resource."`
+	Reset FenceResetCmd `cmd:"" help:"Set a resource's stored token, even lower (the way out after a Consul LockIndex regression)."`
+}
+
+// FenceShowCmd lists fence.tokens.
+type FenceShowCmd struct {
+	Database string `help:"Database URL (directly to PostgreSQL)." required:""`
+}
+
+// Run prints the stored tokens.
+func (f *FenceShowCmd) Run(ctx context.Context) error {
+	conn, err := pgx.Connect(ctx, f.Database)
+	if err != nil {
+		return err
+	}
+	defer conn.Close(ctx)
+	rows, err := conn.Query(ctx, "SELECT resource, token, updated_at FROM fence.tokens ORDER BY resource")
+	if err != nil {
+		return err
+	}
+	defer rows.Close()
+	fmt.Printf("%-32s %20s  %s\n", "resource", "token", "updated_at")
+	for rows.Next() {
+		var r string
+		var t int64
+		var at any
+		if err := rows.Scan(&r, &t, &at); err != nil {
+			return err
+		}
+		fmt.Printf("%-32s %20d  %v\n", r, t, at)
+	}
+	return rows.Err()
+}
+
+// FenceResetCmd calls fence.reset.
+type FenceResetCmd struct {
+	Database string `help:"Database URL of a role allowed to execute fence.reset (directly to PostgreSQL)." required:""`
+	Resource string `help:"Resource name." required:""`
+	Token    int64  `help:"The token to store (normally the lock's current LockIndex in Consul)." required:""`
+}
+
+// Run resets the token.
+func (f *FenceResetCmd) Run(ctx context.Context, log *zap.Logger) error {
+	conn, err := pgx.Connect(ctx, f.Database)
+	if err != nil {
+		return err
+	}
+	defer conn.Close(ctx)
+	if _, err := conn.Exec(ctx, "SELECT fence.reset($1, $2)", f.Resource, f.Token); err != nil {
+		return fmt.Errorf("fence.reset: %w", err)
+	}
+	log.Warn("fencing token reset", zap.String("resource", f.Resource), zap.Int64("token", f.Token))
+	fmt.Printf("resource %q: stored token set to %d; restart or reset the proxies' view (they re-read fence.tokens on reconnect)\n", f.Resource, f.Token)
+	return nil
+}

@@ -1,0 +1,113 @@
+// Command fenceproxy is a PostgreSQL wire-protocol proxy that makes every
+// write transaction conditional on the session's fencing token.
+//
+//	fenceproxy serve   --listen 127.0.0.1:6432 --upstream postgres://127.0.0.1:5432 --resource billing
+//	fenceproxy migrate --database postgres://admin@127.0.0.1:5432/app
+//	fenceproxy lock    --resource billing --database-url postgres://app@127.0.0.1:6432/app -- ./billing
+//
+// Every flag can also be set by an environment variable FENCEPROXY_<FLAG>
+// (for example FENCEPROXY_UPSTREAM) and in a JSON file given with --config
+// whose keys are the flag names.
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/signal"
+	"syscall"
+
+	"github.com/alecthomas/kong"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+)
+
+// globals are flags every subcommand takes.
+type globals struct {
+	Config    kong.ConfigFlag `help:"JSON configuration file; its keys are the flag names (e.g. {\"listen\": \"127.0.0.1:6432\", \"resource\": [\"billing\"]})." type:"path"`
+	LogLevel  string          `help:"Log level: debug, info, warn, error." default:"info" enum:"debug,info,warn,error"`
+	LogFormat string          `help:"Log format: json or console." default:"json" enum:"json,console"`
+}
+
+type cli struct {
+	globals
+
+	Serve   ServeCmd   `cmd:"" help:"Run the proxy."`
+	Migrate MigrateCmd `cmd:"" help:"Install or upgrade the fence schema in a database."`
+	Lock    LockCmd    `cmd:"" help:"Run a command as the leader of a resource (Consul lock), with its fencing token in the environment."`
+	Fence   FenceCmd   `cmd:"" help:"Inspect or reset stored fencing tokens (operator tools)."`
+	Version VersionCmd `cmd:"" help:"Print the version."`
+}
+
+// version is set at build time with -ldflags "-X main.version=...".
+var version = "dev" //nolint:gochecknoglobals // set by the linker
+
+// VersionCmd prints the version.
+type VersionCmd struct{}
+
+// Run prints the version.
+func (VersionCmd) Run() error {
+	fmt.Println("fenceproxy", version)
+	return nil
+}
+
+func newLogger(level, format string) (*zap.Logger, error) {
+	var lvl zapcore.Level
+	if err := lvl.UnmarshalText([]byte(level)); err != nil {
+		return nil, err
+	}
+	cfg := zap.NewProductionConfig()
+	if format == "console" {
+		cfg = zap.NewDevelopmentConfig()
+	}
+	cfg.Level = zap.NewAtomicLevelAt(lvl)
+	cfg.OutputPaths = []string{"stderr"}
+	cfg.ErrorOutputPaths = []string{"stderr"}
+	cfg.DisableStacktrace = true
+	return cfg.Build()
+}
+
+func main() {
+	os.Exit(run(os.Args[1:]))
+}
+
+func run(args []string) int {
+	var c cli
+	parser, err := kong.New(&c,
+		kong.Name("fenceproxy"),
+		kong.Description("PostgreSQL proxy that fences stale leaders: every write transaction is conditional on the session's Consul fencing token."),
+		kong.UsageOnError(),
+		kong.DefaultEnvars("FENCEPROXY"),
+		kong.Configuration(kong.JSON),
+	)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "fenceproxy:", err)
+		return 2
+	}
+	kctx, err := parser.Parse(args)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "fenceproxy:", err)
+		return 2
+	}
+	log, err := newLogger(c.LogLevel, c.LogFormat)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "fenceproxy:", err)
+		return 2
+	}
+	defer log.Sync() //nolint:errcheck
+
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	kctx.BindTo(ctx, (*context.Context)(nil))
+	kctx.Bind(log)
+	if err := kctx.Run(); err != nil {
+		var ec interface{ ExitCode() int }
+		if asExit(err, &ec) {
+			return ec.ExitCode()
+		}
+		log.Error("fenceproxy failed", zap.Error(err))
+		fmt.Fprintln(os.Stderr, "fenceproxy:", err)
+		return 1
+	}
+	return 0
+}

@@ -1,0 +1,60 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"net"
+	"net/http"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"go.uber.org/zap"
+
+	"github.com/fenceproxy/fenceproxy/internal/fence"
+	"github.com/fenceproxy/fenceproxy/internal/proxy"
+)
+
+// ServeCmd runs the proxy. Its flags are proxy.Config's fields.
+type ServeCmd struct {
+	proxy.Config `embed:""`
+}
+
+// Run serves until SIGTERM/SIGINT, then drains sessions and exits 0.
+func (s *ServeCmd) Run(ctx context.Context, log *zap.Logger) error {
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	metrics := proxy.NewMetrics(reg)
+	registry := fence.NewRegistry()
+	srv, err := proxy.New(s.Config, proxy.Options{Logger: log, Metrics: metrics, Registry: registry})
+	if err != nil {
+		return err
+	}
+	ln, err := net.Listen("tcp", srv.Addr())
+	if err != nil {
+		return err
+	}
+	log.Info("fenceproxy listening", zap.String("listen", ln.Addr().String()), zap.String("upstream", s.Upstream),
+		zap.Strings("resources", s.Resources), zap.String("unfenced", s.Unfenced))
+
+	bg, cancelBG := context.WithCancel(context.WithoutCancel(ctx))
+	defer cancelBG()
+	if s.MetricsListen != "" {
+		hs := &http.Server{Addr: s.MetricsListen, Handler: promhttp.HandlerFor(reg, promhttp.HandlerOpts{}), ReadHeaderTimeout: 5 * time.Second}
+		go func() {
+			if err := hs.ListenAndServe(); err != nil && !errors.Is(err, http.ErrServerClosed) {
+				log.Error("metrics server failed", zap.Error(err))
+			}
+		}()
+		defer hs.Close()
+	}
+	if s.ControlDatabase != "" {
+		go fence.Listen(bg, s.ControlDatabase, registry, log, nil) //nolint:errcheck // returns only when bg ends
+	} else if len(s.Resources) > 0 {
+		log.Warn("no --control-database: raises made through other proxy instances are learned only by the database check at commit")
+	}
+	err = srv.Serve(ctx, ln)
+	log.Info("fenceproxy stopped")
+	return err
+}

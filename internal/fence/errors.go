@@ -1,0 +1,172 @@
+package fence
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/jackc/pgx/v5/pgproto3"
+)
+
+// SQLSTATEs of fencing rejections. Class ZF: the SQL standard leaves classes
+// beginning with I to Z to implementations, and PostgreSQL uses none
+// beginning with Z.
+const (
+	CodeStale          = "ZF001" // a higher token was admitted for the resource
+	CodeNotIssued      = "ZF002" // token higher than the lock's LockIndex in Consul
+	CodeMissing        = "ZF003" // no token where one is required
+	CodeMalformed      = "ZF004" // token or resource parameter malformed
+	CodeUnknown        = "ZF005" // resource not configured
+	CodeNotHeld        = "ZF006" // the lock is held by nobody
+	CodeUnavailable    = "ZF007" // token state unknown: fail closed
+	CodeNotAllowed     = "ZF008" // statement would commit past the check
+	CodeHolderMismatch = "ZF009" // fence.session is not the lock's holder
+)
+
+// Error is a fencing rejection. It carries the SQLSTATE the client sees.
+type Error struct {
+	Code    string
+	Message string
+	Detail  string
+	Hint    string
+	// Resource and Token describe the session, when known.
+	Resource string
+	Token    int64
+	// Admitted is the highest admitted token, when known (stale rejections).
+	Admitted int64
+	Err      error // cause, if any
+}
+
+func (e *Error) Error() string { return e.Message }
+func (e *Error) Unwrap() error { return e.Err }
+
+// Is lets errors.Is(err, ErrStale) and friends match by SQLSTATE.
+func (e *Error) Is(target error) bool {
+	t, ok := target.(*Error)
+	return ok && t.Message == "" && t.Code == e.Code
+}
+
+// Sentinels to test a rejection's kind with errors.Is.
+var (
+	ErrStale          = &Error{Code: CodeStale}
+	ErrNotIssued      = &Error{Code: CodeNotIssued}
+	ErrMissing        = &Error{Code: CodeMissing}
+	ErrMalformed      = &Error{Code: CodeMalformed}
+	ErrUnknown        = &Error{Code: CodeUnknown}
+	ErrNotHeld        = &Error{Code: CodeNotHeld}
+	ErrUnavailable    = &Error{Code: CodeUnavailable}
+	ErrNotAllowed     = &Error{Code: CodeNotAllowed}
+	ErrHolderMismatch = &Error{Code: CodeHolderMismatch}
+)
+
+// IsFencing reports whether err is a fencing rejection and returns it.
+func IsFencing(err error) (*Error, bool) {
+	var fe *Error
+	if errors.As(err, &fe) {
+		return fe, true
+	}
+	return nil, false
+}
+
+const howToPass = "pass the lock's LockIndex as the startup parameter fence.token with fence.resource, " +
+	"e.g. options='-c fence.resource=billing -c fence.token=34' (libpq, PGOPTIONS) or ?fence.resource=billing&fence.token=34 (pgx)"
+
+// Stale is the rejection of a token lower than the highest admitted one.
+func Stale(resource string, token, admitted int64) *Error {
+	return &Error{
+		Code:     CodeStale,
+		Message:  fmt.Sprintf("stale fencing token: resource %q token %d is lower than the highest admitted token %d", resource, token, admitted),
+		Detail:   "Another holder of the lock was admitted with a higher token; this session may no longer write.",
+		Hint:     "This process is no longer the leader. Stop writing; acquire the lock again to get a new token.",
+		Resource: resource, Token: token, Admitted: admitted,
+	}
+}
+
+// NotIssued is the rejection of a token higher than Consul's LockIndex.
+func NotIssued(resource string, token, current int64) *Error {
+	return &Error{
+		Code:     CodeNotIssued,
+		Message:  fmt.Sprintf("fencing token not issued: resource %q token %d is higher than the lock's current LockIndex %d", resource, token, current),
+		Hint:     "Use the LockIndex Consul returned when this process acquired the lock.",
+		Resource: resource, Token: token, Admitted: current,
+	}
+}
+
+// NotHeld is the rejection of a token for a lock nobody holds.
+func NotHeld(resource string, token int64) *Error {
+	return &Error{
+		Code:     CodeNotHeld,
+		Message:  fmt.Sprintf("fencing lock not held: nobody holds the lock of resource %q (token %d); the lease expired or was released", resource, token),
+		Hint:     "Acquire the lock again and use the new LockIndex.",
+		Resource: resource, Token: token,
+	}
+}
+
+// HolderMismatch is the rejection of a fence.session that is not the holder.
+func HolderMismatch(resource, session, holder string) *Error {
+	return &Error{
+		Code:     CodeHolderMismatch,
+		Message:  fmt.Sprintf("fencing session mismatch: resource %q is held by Consul session %q, not %q", resource, holder, session),
+		Hint:     "This process is no longer the leader.",
+		Resource: resource,
+	}
+}
+
+// Unavailable is the fail-closed rejection when token state is unknown.
+func Unavailable(resource, why string) *Error {
+	return &Error{
+		Code:     CodeUnavailable,
+		Message:  fmt.Sprintf("fencing unavailable for resource %q: %s", resource, why),
+		Hint:     "No token is admitted until the proxy can confirm it; retry later. See the README, 'When Consul is unreachable' and 'LockIndex regressions'.",
+		Resource: resource,
+	}
+}
+
+// Missing is the refusal of a session without a token.
+func Missing(why string) *Error {
+	return &Error{
+		Code:    CodeMissing,
+		Message: "fencing token missing: " + why,
+		Hint:    howToPass,
+	}
+}
+
+// Malformed is the refusal of a malformed fence parameter.
+func Malformed(why string) *Error {
+	return &Error{
+		Code:    CodeMalformed,
+		Message: "fencing parameter malformed: " + why,
+		Hint:    howToPass,
+	}
+}
+
+// Unknown is the refusal of a resource the proxy does not know.
+func Unknown(resource string, known []string) *Error {
+	return &Error{
+		Code:     CodeUnknown,
+		Message:  fmt.Sprintf("unknown fencing resource %q", resource),
+		Detail:   fmt.Sprintf("This proxy fences the resources %q.", known),
+		Hint:     "Check fence.resource, or add the resource to the proxy's --resource list.",
+		Resource: resource,
+	}
+}
+
+// NotAllowed is the refusal of a statement that would commit past the check.
+func NotAllowed(what, hint string) *Error {
+	return &Error{
+		Code:    CodeNotAllowed,
+		Message: "not allowed in a fenced session: " + what,
+		Hint:    hint,
+	}
+}
+
+// Response renders the error as the ErrorResponse the client sees.
+func (e *Error) Response(severity string) *pgproto3.ErrorResponse {
+	return &pgproto3.ErrorResponse{
+		Severity:            severity,
+		SeverityUnlocalized: severity,
+		Code:                e.Code,
+		Message:             e.Message,
+		Detail:              e.Detail,
+		Hint:                e.Hint,
+	}
+}

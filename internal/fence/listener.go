@@ -1,0 +1,88 @@
+package fence
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"go.uber.org/zap"
+)
+
+// Channel is the notification channel fence.raise and fence.reset notify,
+// with the payload "<resource> <token>".
+const Channel = "fence_raise"
+
+// ParsePayload decodes a notification payload.
+func ParsePayload(p string) (resource string, token int64, err error) {
+	res, tok, ok := strings.Cut(p, " ")
+	if !ok || !ValidResource(res) {
+		return "", 0, fmt.Errorf("fence: bad notification payload %q", p)
+	}
+	t, err := strconv.ParseInt(tok, 10, 64)
+	if err != nil {
+		return "", 0, fmt.Errorf("fence: bad notification payload %q: %w", p, err)
+	}
+	return res, t, nil
+}
+
+// Listen keeps a connection to the database at url, LISTENs on Channel and
+// feeds every raise into reg, until ctx is done. After every (re)connection
+// it reads fence.tokens whole, so raises notified while it was disconnected
+// are not missed. ready, if not nil, is called after each successful sync.
+func Listen(ctx context.Context, url string, reg *Registry, log *zap.Logger, ready func()) error {
+	backoff := 100 * time.Millisecond
+	for {
+		err := listenOnce(ctx, url, reg, ready)
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		log.Warn("fence listener disconnected; reconnecting", zap.Error(err), zap.Duration("backoff", backoff))
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(backoff):
+		}
+		backoff = min(backoff*2, 5*time.Second)
+	}
+}
+
+func listenOnce(ctx context.Context, url string, reg *Registry, ready func()) error {
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return err
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	if _, err := conn.Exec(ctx, "LISTEN "+Channel); err != nil {
+		return err
+	}
+	rows, err := conn.Query(ctx, "SELECT resource, token FROM fence.tokens")
+	if err != nil {
+		return fmt.Errorf("read fence.tokens: %w", err)
+	}
+	for rows.Next() {
+		var res string
+		var tok int64
+		if err := rows.Scan(&res, &tok); err != nil {
+			return err
+		}
+		reg.Observe(res, tok)
+	}
+	if err := rows.Err(); err != nil {
+		return err
+	}
+	if ready != nil {
+		ready()
+	}
+	for {
+		n, err := conn.WaitForNotification(ctx)
+		if err != nil {
+			return err
+		}
+		if res, tok, err := ParsePayload(n.Payload); err == nil {
+			reg.Observe(res, tok)
+		}
+	}
+}

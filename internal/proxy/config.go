@@ -1,0 +1,221 @@
+package proxy
+
+import (
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"fmt"
+	"net"
+	"net/url"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/fenceproxy/fenceproxy/internal/fence"
+	"github.com/fenceproxy/fenceproxy/internal/wire"
+)
+
+// Unfenced policies: what a session that presents no fence parameter may do.
+const (
+	UnfencedReject   = "reject"
+	UnfencedReadOnly = "readonly"
+	UnfencedAllow    = "allow"
+)
+
+// Config is the proxy's whole configuration. The zero value of every field
+// means its default. Flags, environment variables (FENCEPROXY_<FLAG>) and the
+// JSON config file all fill this same struct (see cmd/fenceproxy).
+type Config struct {
+	// Listen is the client-facing address, HOST:PORT. Default 127.0.0.1:6432.
+	Listen string `help:"Address to accept clients on, HOST:PORT." default:"127.0.0.1:6432"`
+	// Upstream is the PostgreSQL server: postgres://HOST:PORT, or
+	// postgres:///?host=/socket/dir&port=5432 for a Unix socket. User and
+	// database come from each client's startup message, never from here.
+	Upstream string `help:"PostgreSQL server, postgres://HOST:PORT or postgres:///?host=/socket/dir&port=PORT (user and database come from each client)." required:""`
+	// UpstreamSSLMode is disable (default), require or verify-full.
+	UpstreamSSLMode string `help:"TLS to the server: disable, require, verify-full." default:"disable" enum:"disable,require,verify-full"`
+	// UpstreamSSLRootCert is the CA file for verify-full (nil: system roots).
+	UpstreamSSLRootCert string `help:"CA certificate file to verify the server with (verify-full)." type:"path"`
+
+	// TLSCert and TLSKey enable TLS for clients (SSLRequest answered 'S').
+	TLSCert string `help:"Certificate file for client TLS; without it SSLRequest is answered 'N'." type:"path"`
+	TLSKey  string `help:"Key file for client TLS." type:"path"`
+
+	// MaxMessageSize is the largest protocol message accepted in either
+	// direction (0: 1 GiB, PostgreSQL's own field limit).
+	MaxMessageSize int `help:"Largest protocol message accepted, in bytes (0: 1 GiB)." default:"0"`
+	// LoginTimeout bounds startup and authentication (0: 15 s).
+	LoginTimeout time.Duration `help:"Time allowed for startup and authentication." default:"15s"`
+	// ConnectTimeout bounds dialing the server (0: 5 s).
+	ConnectTimeout time.Duration `help:"Time allowed to connect to the server." default:"5s"`
+	// MaxClients is the most client connections at once (0: 1000).
+	MaxClients int `help:"Most client connections at once." default:"1000"`
+	// ShutdownGrace is how long sessions may finish after SIGTERM (0: 30 s).
+	ShutdownGrace time.Duration `help:"How long sessions may finish after SIGTERM before they are closed." default:"30s"`
+
+	// Resources are the fenced resources, NAME or NAME=CONSUL_KEY.
+	Resources []string `help:"Fenced resource, NAME or NAME=CONSUL_KEY (repeatable)." name:"resource" sep:"none"`
+	// Unfenced is the policy for sessions without fence parameters:
+	// reject (default), readonly or allow.
+	Unfenced string `help:"Sessions without a token: reject, readonly (enforced by PostgreSQL) or allow." default:"reject" enum:"reject,readonly,allow"`
+	// ControlDatabase is a connection URL the proxy uses itself: it LISTENs
+	// there for raises made through other proxy instances (and raises tokens
+	// Consul hands out). Empty: no cross-instance notifications.
+	ControlDatabase string `help:"Database URL the proxy itself uses to LISTEN for raises (and raise tokens proactively)."`
+
+	// MetricsListen serves Prometheus metrics on /metrics (empty: off).
+	MetricsListen string `help:"Address for Prometheus /metrics (empty: off)."`
+
+	// Consul configures token validation (see internal/lease).
+	ConsulAddr     string `help:"Consul HTTP address; empty: tokens are not validated against Consul." name:"consul-addr"`
+	ConsulToken    string `help:"Consul ACL token." name:"consul-token"`
+	ConsulCAFile   string `help:"CA file for TLS to Consul." name:"consul-ca-file" type:"path"`
+	ConsulScheme   string `help:"http or https." name:"consul-scheme" default:"http"`
+	ConsulDownMode string `help:"When Consul is unreachable: refuse (no new sessions; default) or trust-database (admit tokens not lower than the stored one)." name:"consul-down" default:"refuse" enum:"refuse,trust-database"`
+}
+
+// Resource is a configured resource.
+type Resource struct {
+	Name string
+	Key  string // Consul lock key, empty when not validated against Consul
+}
+
+// upstreamAddr is where and how to dial the server.
+type upstreamAddr struct {
+	network, address string
+	tls              *tls.Config
+}
+
+// settings is the validated, defaulted form of Config.
+type settings struct {
+	Config
+	resources []Resource
+	names     []string
+	upstream  upstreamAddr
+	clientTLS *tls.Config
+}
+
+func (c Config) validate() (*settings, error) {
+	s := &settings{Config: c}
+	if s.Listen == "" {
+		s.Listen = "127.0.0.1:6432"
+	}
+	if s.MaxMessageSize <= 0 {
+		s.MaxMessageSize = wire.DefaultMaxMessageSize
+	}
+	if s.LoginTimeout <= 0 {
+		s.LoginTimeout = 15 * time.Second
+	}
+	if s.ConnectTimeout <= 0 {
+		s.ConnectTimeout = 5 * time.Second
+	}
+	if s.MaxClients <= 0 {
+		s.MaxClients = 1000
+	}
+	if s.ShutdownGrace <= 0 {
+		s.ShutdownGrace = 30 * time.Second
+	}
+	switch s.Unfenced {
+	case "":
+		s.Unfenced = UnfencedReject
+	case UnfencedReject, UnfencedReadOnly, UnfencedAllow:
+	default:
+		return nil, fmt.Errorf("unfenced: %q is not reject, readonly or allow", s.Unfenced)
+	}
+	for _, r := range s.Resources {
+		name, key, _ := strings.Cut(r, "=")
+		if !fence.ValidResource(name) {
+			return nil, fmt.Errorf("resource %q: the name must match ^[a-z][a-z0-9_.-]{0,62}$", name)
+		}
+		for _, x := range s.resources {
+			if x.Name == name {
+				return nil, fmt.Errorf("resource %q configured twice", name)
+			}
+		}
+		s.resources = append(s.resources, Resource{Name: name, Key: key})
+		s.names = append(s.names, name)
+	}
+	var err error
+	if s.upstream, err = parseUpstream(s.Upstream, s.UpstreamSSLMode, s.UpstreamSSLRootCert); err != nil {
+		return nil, err
+	}
+	if (s.TLSCert == "") != (s.TLSKey == "") {
+		return nil, errors.New("tls-cert and tls-key go together")
+	}
+	if s.TLSCert != "" {
+		cert, err := tls.LoadX509KeyPair(s.TLSCert, s.TLSKey)
+		if err != nil {
+			return nil, fmt.Errorf("client TLS: %w", err)
+		}
+		s.clientTLS = &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12}
+	}
+	return s, nil
+}
+
+func parseUpstream(raw, sslmode, rootCert string) (upstreamAddr, error) {
+	var a upstreamAddr
+	if raw == "" {
+		return a, errors.New("upstream is required (postgres://HOST:PORT)")
+	}
+	u, err := url.Parse(raw)
+	if err != nil {
+		return a, fmt.Errorf("upstream: %w", err)
+	}
+	if u.Scheme != "postgres" && u.Scheme != "postgresql" {
+		return a, fmt.Errorf("upstream %q: scheme must be postgres://", raw)
+	}
+	if u.User != nil || (u.Path != "" && u.Path != "/") {
+		return a, fmt.Errorf("upstream %q: user and database come from each client; give only host and port", raw)
+	}
+	q := u.Query()
+	host, port := u.Hostname(), u.Port()
+	if h := q.Get("host"); h != "" {
+		host = h
+	}
+	if p := q.Get("port"); p != "" {
+		port = p
+	}
+	if port == "" {
+		port = "5432"
+	}
+	if _, err := strconv.ParseUint(port, 10, 16); err != nil {
+		return a, fmt.Errorf("upstream %q: bad port %q", raw, port)
+	}
+	if m := q.Get("sslmode"); m != "" && sslmode == "" {
+		sslmode = m
+	}
+	if strings.HasPrefix(host, "/") {
+		a.network = "unix"
+		a.address = fmt.Sprintf("%s/.s.PGSQL.%s", host, port)
+		if sslmode != "" && sslmode != "disable" {
+			return a, errors.New("upstream: TLS over a Unix socket is not supported; use sslmode=disable")
+		}
+		return a, nil
+	}
+	if host == "" {
+		host = "127.0.0.1"
+	}
+	a.network, a.address = "tcp", net.JoinHostPort(host, port)
+	switch sslmode {
+	case "", "disable":
+	case "require":
+		a.tls = &tls.Config{InsecureSkipVerify: true, MinVersion: tls.VersionTLS12} //nolint:gosec // sslmode=require means encryption without verification, as in libpq
+	case "verify-full":
+		a.tls = &tls.Config{ServerName: host, MinVersion: tls.VersionTLS12}
+		if rootCert != "" {
+			pem, err := os.ReadFile(rootCert)
+			if err != nil {
+				return a, fmt.Errorf("upstream CA: %w", err)
+			}
+			pool := x509.NewCertPool()
+			if !pool.AppendCertsFromPEM(pem) {
+				return a, fmt.Errorf("upstream CA %s: no certificate found", rootCert)
+			}
+			a.tls.RootCAs = pool
+		}
+	default:
+		return a, fmt.Errorf("upstream sslmode %q: use disable, require or verify-full", sslmode)
+	}
+	return a, nil
+}

@@ -1,0 +1,339 @@
+package proxy_test
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/fenceproxy/fenceproxy/internal/fence"
+	"github.com/fenceproxy/fenceproxy/internal/proxy"
+	"github.com/fenceproxy/fenceproxy/internal/testenv"
+)
+
+// A writePath writes rows tagged tag through conn, one way a client can
+// write. It calls raise exactly once, at the point where a new leader's
+// raise is most interesting for that path (usually in the middle of the
+// transaction, before its commit), and returns the error the client sees.
+type writePath struct {
+	name  string
+	write func(ctx context.Context, conn *pgx.Conn, tag string, raise func()) error
+	// written reports whether rows (or objects) tagged tag exist; nil: items rows.
+	written func(t *testing.T, admin querier, tag string) bool
+}
+
+func simple(ctx context.Context, conn *pgx.Conn, sql string) error {
+	_, err := conn.PgConn().Exec(ctx, sql).ReadAll()
+	return err
+}
+
+func ins(tag string) string { return fmt.Sprintf("INSERT INTO items(tag) VALUES ('%s')", tag) }
+
+var writePaths = []writePath{
+	{name: "simple autocommit", write: func(ctx context.Context, c *pgx.Conn, tag string, raise func()) error {
+		raise()
+		return simple(ctx, c, ins(tag))
+	}},
+	{name: "simple multi-statement", write: func(ctx context.Context, c *pgx.Conn, tag string, raise func()) error {
+		raise()
+		return simple(ctx, c, ins(tag)+"; "+ins(tag)+"; SELECT 1")
+	}},
+	{name: "simple implicit COMMIT in string", write: func(ctx context.Context, c *pgx.Conn, tag string, raise func()) error {
+		raise()
+		return simple(ctx, c, ins(tag)+"; COMMIT; "+ins(tag+"-after"))
+	}},
+	{name: "simple BEGIN..COMMIT in one string", write: func(ctx context.Context, c *pgx.Conn, tag string, raise func()) error {
+		raise()
+		return simple(ctx, c, "BEGIN; "+ins(tag)+"; COMMIT")
+	}},
+	{name: "simple block END", write: func(ctx context.Context, c *pgx.Conn, tag string, raise func()) error {
+		if err := simple(ctx, c, "BEGIN; "+ins(tag)); err != nil {
+			return err
+		}
+		raise()
+		return simple(ctx, c, "END")
+	}},
+	{name: "simple COMMIT AND CHAIN", write: func(ctx context.Context, c *pgx.Conn, tag string, raise func()) error {
+		if err := simple(ctx, c, "BEGIN; "+ins(tag)); err != nil {
+			return err
+		}
+		raise()
+		err := simple(ctx, c, "COMMIT AND CHAIN")
+		simple(ctx, c, "ROLLBACK") //nolint:errcheck
+		return err
+	}},
+	{name: "PREPARE TRANSACTION", write: func(ctx context.Context, c *pgx.Conn, tag string, raise func()) error {
+		if err := simple(ctx, c, "BEGIN; "+ins(tag)); err != nil {
+			return err
+		}
+		raise()
+		gid := "gid-" + tag
+		if err := simple(ctx, c, "PREPARE TRANSACTION '"+gid+"'"); err != nil {
+			return err
+		}
+		return simple(ctx, c, "COMMIT PREPARED '"+gid+"'")
+	}},
+	{name: "extended autocommit", write: func(ctx context.Context, c *pgx.Conn, tag string, raise func()) error {
+		raise()
+		_, err := c.Exec(ctx, "INSERT INTO items(tag) VALUES ($1)", tag)
+		return err
+	}},
+	{name: "extended block", write: func(ctx context.Context, c *pgx.Conn, tag string, raise func()) error {
+		tx, err := c.Begin(ctx)
+		if err != nil {
+			return err
+		}
+		if _, err := tx.Exec(ctx, "INSERT INTO items(tag) VALUES ($1)", tag); err != nil {
+			return err
+		}
+		raise()
+		return tx.Commit(ctx)
+	}},
+	{name: "extended REPEATABLE READ", write: func(ctx context.Context, c *pgx.Conn, tag string, raise func()) error {
+		tx, err := c.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
+		if err != nil {
+			return err
+		}
+		if _, err := tx.Exec(ctx, "SELECT count(*) FROM fence.tokens"); err != nil {
+			return err
+		}
+		if _, err := tx.Exec(ctx, "INSERT INTO items(tag) VALUES ($1)", tag); err != nil {
+			return err
+		}
+		raise()
+		return tx.Commit(ctx)
+	}},
+	{name: "extended SERIALIZABLE", write: func(ctx context.Context, c *pgx.Conn, tag string, raise func()) error {
+		tx, err := c.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.Serializable})
+		if err != nil {
+			return err
+		}
+		if _, err := tx.Exec(ctx, "SELECT count(*) FROM fence.tokens"); err != nil {
+			return err
+		}
+		if _, err := tx.Exec(ctx, "INSERT INTO items(tag) VALUES ($1)", tag); err != nil {
+			return err
+		}
+		raise()
+		return tx.Commit(ctx)
+	}},
+	{name: "simple REPEATABLE READ", write: func(ctx context.Context, c *pgx.Conn, tag string, raise func()) error {
+		if err := simple(ctx, c, "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM fence.tokens; "+ins(tag)); err != nil {
+			return err
+		}
+		raise()
+		return simple(ctx, c, "COMMIT")
+	}},
+	{name: "writable CTE", write: func(ctx context.Context, c *pgx.Conn, tag string, raise func()) error {
+		raise()
+		_, err := c.Exec(ctx, "WITH x AS (INSERT INTO items(tag) VALUES ($1) RETURNING id) SELECT count(*) FROM x", tag)
+		return err
+	}},
+	{name: "write inside a function", write: func(ctx context.Context, c *pgx.Conn, tag string, raise func()) error {
+		raise()
+		_, err := c.Exec(ctx, "SELECT add_item($1)", tag)
+		return err
+	}},
+	{name: "COPY FROM STDIN", write: func(ctx context.Context, c *pgx.Conn, tag string, raise func()) error {
+		raise()
+		_, err := c.CopyFrom(ctx, pgx.Identifier{"items"}, []string{"tag"}, pgx.CopyFromRows([][]any{{tag}, {tag}}))
+		return err
+	}},
+	{name: "CALL in simple protocol", write: func(ctx context.Context, c *pgx.Conn, tag string, raise func()) error {
+		raise()
+		return simple(ctx, c, "CALL add_item_proc('"+tag+"')")
+	}},
+	{name: "DO in simple protocol", write: func(ctx context.Context, c *pgx.Conn, tag string, raise func()) error {
+		raise()
+		return simple(ctx, c, "DO $$BEGIN INSERT INTO items(tag) VALUES ('"+tag+"'); END$$")
+	}},
+	{name: "pipeline with several Syncs", write: func(ctx context.Context, c *pgx.Conn, tag string, raise func()) error {
+		raise()
+		p := c.PgConn().StartPipeline(ctx)
+		p.SendQueryParams("INSERT INTO items(tag) VALUES ($1)", [][]byte{[]byte(tag)}, nil, nil, nil)
+		p.SendPipelineSync()
+		p.SendQueryParams("INSERT INTO items(tag) VALUES ($1)", [][]byte{[]byte(tag)}, nil, nil, nil)
+		p.SendPipelineSync()
+		if err := p.Flush(); err != nil {
+			return err
+		}
+		var first error
+		for {
+			r, err := p.GetResults()
+			if err != nil {
+				if first == nil {
+					first = err
+				}
+				continue
+			}
+			switch r := r.(type) {
+			case *pgconn.ResultReader:
+				if _, err := r.Close(); err != nil && first == nil {
+					first = err
+				}
+			case *pgconn.PipelineSync:
+			case nil:
+				if err := p.Close(); err != nil && first == nil {
+					first = err
+				}
+				return first
+			}
+		}
+	}},
+	{name: "batch", write: func(ctx context.Context, c *pgx.Conn, tag string, raise func()) error {
+		raise()
+		b := &pgx.Batch{}
+		b.Queue("INSERT INTO items(tag) VALUES ($1)", tag)
+		b.Queue("INSERT INTO items(tag) VALUES ($1)", tag)
+		return c.SendBatch(ctx, b).Close()
+	}},
+	{name: "DDL", write: func(ctx context.Context, c *pgx.Conn, tag string, raise func()) error {
+		raise()
+		return simple(ctx, c, `CREATE TABLE "t_`+tag+`" (id int)`)
+	}, written: func(t *testing.T, admin querier, tag string) bool {
+		return count(t, admin, `SELECT count(*) FROM pg_class WHERE relname = $1`, "t_"+tag) > 0
+	}},
+	{name: "TRUNCATE", write: func(ctx context.Context, c *pgx.Conn, tag string, raise func()) error {
+		if err := simple(ctx, c, `CREATE TABLE "tr_`+tag+`" AS SELECT 1 AS x`); err != nil {
+			return err
+		}
+		raise()
+		return simple(ctx, c, `TRUNCATE "tr_`+tag+`"`)
+	}, written: func(t *testing.T, admin querier, tag string) bool {
+		// "written" means the truncation committed.
+		return count(t, admin, `SELECT count(*) FROM "tr_`+tag+`"`) == 0
+	}},
+	{name: "session tricks do not change the token", write: func(ctx context.Context, c *pgx.Conn, tag string, raise func()) error {
+		for _, q := range []string{"SET fence.token = 999999", "SELECT set_config('fence.token', '999999', false)",
+			"DISCARD ALL", "DEALLOCATE ALL", "RESET ALL"} {
+			if err := simple(ctx, c, q); err != nil {
+				return fmt.Errorf("%s: %w", q, err)
+			}
+		}
+		raise()
+		// DISCARD ALL dropped pgx's cached statements: describe afresh.
+		_, err := c.Exec(ctx, "INSERT INTO items(tag) VALUES ($1)", pgx.QueryExecModeDescribeExec, tag)
+		return err
+	}},
+}
+
+func setupWritePaths(t *testing.T, admin querier) {
+	mustExec(t, admin, `CREATE FUNCTION add_item(t text) RETURNS void LANGUAGE sql AS $$INSERT INTO items(tag) VALUES (t)$$`)
+	mustExec(t, admin, `CREATE PROCEDURE add_item_proc(t text) LANGUAGE sql AS $$INSERT INTO items(tag) VALUES (t)$$`)
+	mustExec(t, admin, `GRANT EXECUTE ON FUNCTION add_item(text) TO app`)
+}
+
+func resourceNames(n int) []string {
+	var out []string
+	for i := 0; i < n; i++ {
+		out = append(out, fmt.Sprintf("r%02d", i))
+	}
+	return out
+}
+
+// TestStaleWritesNeverCommit runs every write path under an old token
+// while a newer one is raised, in two set-ups: "database check", where the
+// old session's proxy never hears of the raise (separate proxy instances, no
+// LISTEN), so only fence.check stands between the stale write and its
+// commit; and "early refusal", where the old session's proxy learns of the
+// raise by LISTEN and refuses or cancels before the database does.
+func TestStaleWritesNeverCommit(t *testing.T) {
+	pg, admin := fencedDB(t)
+	setupWritePaths(t, admin)
+	names := resourceNames(len(writePaths))
+	setups := []struct {
+		name   string
+		listen bool
+	}{{"database check", false}, {"early refusal", true}}
+	for _, setup := range setups {
+		t.Run(setup.name, func(t *testing.T) {
+			cfgA := proxy.Config{Resources: names}
+			if setup.listen {
+				cfgA.ControlDatabase = pg.AdminURL()
+			}
+			a := testenv.StartProxy(t, pg, cfgA)
+			if setup.listen {
+				ctx, cancel := context.WithCancel(context.Background())
+				t.Cleanup(cancel)
+				ready := make(chan struct{})
+				var once bool
+				go fence.Listen(ctx, pg.AdminURL(), a.Registry, zapNop(), func() { //nolint:errcheck
+					if !once {
+						once = true
+						close(ready)
+					}
+				})
+				<-ready
+			}
+			b := testenv.StartProxy(t, pg, proxy.Config{Resources: names})
+			for i, p := range writePaths {
+				res := names[i]
+				prefix := strings.ReplaceAll(setup.name, " ", "") + fmt.Sprint(i)
+				t.Run(p.name, func(t *testing.T) {
+					t.Parallel()
+					written := p.written
+					if written == nil {
+						written = func(t *testing.T, admin querier, tag string) bool {
+							return count(t, admin, "SELECT count(*) FROM items WHERE tag LIKE $1", tag+"%") > 0
+						}
+					}
+					base := 100 * int64(i+1)
+					if setup.listen {
+						base += 10
+					}
+					ctx := ctxT(t)
+					oldConn := connect(t, a.FenceURL("app", "postgres", res, base+1))
+					// A current token writes fine.
+					if err := p.write(ctx, oldConn, prefix+"cur", func() {}); err != nil {
+						t.Fatalf("write with the current token failed: %v", err)
+					}
+					if !written(t, admin, prefix+"cur") {
+						t.Fatal("write with the current token is missing")
+					}
+					raised := false
+					err := p.write(ctx, oldConn, prefix+"stale", func() {
+						raised = true
+						newConn := connect(t, b.FenceURL("app", "postgres", res, base+2))
+						if setup.listen {
+							waitStale(t, a, res, base+2)
+						}
+						_ = newConn
+					})
+					if !raised {
+						t.Fatal("path did not call raise")
+					}
+					wantStale(t, err)
+					if st := oldConn.PgConn().TxStatus(); st != 'I' && p.name != "simple COMMIT AND CHAIN" {
+						t.Errorf("after the rejection the session is in state %q, want idle", st)
+					}
+					if written(t, admin, prefix+"stale") {
+						t.Fatal("a write of the stale token committed")
+					}
+					// The new leader writes.
+					newConn := connect(t, b.FenceURL("app", "postgres", res, base+2))
+					if err := p.write(ctx, newConn, prefix+"new", func() {}); err != nil {
+						t.Fatalf("new leader's write failed: %v", err)
+					}
+					if !written(t, admin, prefix+"new") {
+						t.Fatal("new leader's write is missing")
+					}
+				})
+			}
+		})
+	}
+}
+
+func waitStale(t *testing.T, p *testenv.Proxy, res string, tok int64) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for p.Registry.Highest(res) < tok {
+		if time.Now().After(deadline) {
+			t.Fatalf("proxy did not learn of token %d for %s", tok, res)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}

@@ -1,0 +1,121 @@
+package proxy_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/fenceproxy/fenceproxy/internal/fence"
+	"github.com/fenceproxy/fenceproxy/internal/proxy"
+	"github.com/fenceproxy/fenceproxy/internal/testenv"
+)
+
+func ctxT(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+func connect(t *testing.T, url string) *pgx.Conn {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		t.Fatalf("connect %s: %v", url, err)
+	}
+	t.Cleanup(func() { conn.Close(context.Background()) })
+	return conn
+}
+
+func connectErr(url string) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, url)
+	if err == nil {
+		conn.Close(ctx)
+	}
+	return err
+}
+
+func sqlstate(err error) string {
+	var pe *pgconn.PgError
+	if errors.As(err, &pe) {
+		return pe.Code
+	}
+	return ""
+}
+
+func wantCode(t *testing.T, err error, code string) {
+	t.Helper()
+	if err == nil {
+		t.Fatalf("want SQLSTATE %s, got success", code)
+	}
+	if got := sqlstate(err); got != code {
+		t.Fatalf("want SQLSTATE %s, got %q: %v", code, got, err)
+	}
+}
+
+func wantStale(t *testing.T, err error) {
+	t.Helper()
+	wantCode(t, err, fence.CodeStale)
+	if !strings.Contains(err.Error(), "stale fencing token") {
+		t.Fatalf("message %q does not begin with 'stale fencing token'", err)
+	}
+}
+
+// querier is a *pgx.Conn or a *pgxpool.Pool.
+type querier interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+func mustExec(t *testing.T, conn querier, sql string, args ...any) {
+	t.Helper()
+	if _, err := conn.Exec(ctxT(t), sql, args...); err != nil {
+		t.Fatalf("%s: %v", sql, err)
+	}
+}
+
+func count(t *testing.T, conn querier, sql string, args ...any) int {
+	t.Helper()
+	var n int
+	if err := conn.QueryRow(ctxT(t), sql, args...).Scan(&n); err != nil {
+		t.Fatalf("%s: %v", sql, err)
+	}
+	return n
+}
+
+// fencedDB starts PostgreSQL with the fence schema, an application role
+// "app" and a table "items", and returns the cluster and an admin connection.
+func fencedDB(t *testing.T, opts ...testenv.PGOption) (*testenv.Postgres, *pgxpool.Pool) {
+	t.Helper()
+	pg := testenv.StartPostgres(t, opts...)
+	if _, err := fence.Migrate(ctxT(t), pg.AdminURL()); err != nil {
+		t.Fatalf("migrate: %v", err)
+	}
+	admin, err := pgxpool.New(ctxT(t), pg.AdminURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(admin.Close)
+	pg.CreateRole(t, "app", "app")
+	mustExec(t, admin, `CREATE TABLE items (id bigserial PRIMARY KEY, tag text NOT NULL, token bigint)`)
+	mustExec(t, admin, `GRANT ALL ON items, items_id_seq TO app`)
+	mustExec(t, admin, `GRANT CREATE ON SCHEMA public TO app`)
+	return pg, admin
+}
+
+func fencedProxy(t *testing.T, pg *testenv.Postgres, mod ...func(*proxy.Config)) *testenv.Proxy {
+	cfg := proxy.Config{Resources: []string{"billing", "other"}}
+	for _, m := range mod {
+		m(&cfg)
+	}
+	return testenv.StartProxy(t, pg, cfg)
+}

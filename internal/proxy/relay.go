@@ -1,0 +1,1093 @@
+package proxy
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"strings"
+
+	"github.com/jackc/pgx/v5/pgproto3"
+	"go.uber.org/zap"
+
+	"github.com/fenceproxy/fenceproxy/internal/fence"
+	"github.com/fenceproxy/fenceproxy/internal/sqltx"
+	"github.com/fenceproxy/fenceproxy/internal/wire"
+)
+
+// How a fenced session keeps the guarantee (the proof obligations):
+//
+//  1. Every transaction that can commit passes through a check first. A
+//     transaction commits (a) at an explicit COMMIT/END/COMMIT AND
+//     CHAIN/PREPARE TRANSACTION, wherever it appears (simple Query string or
+//     extended-protocol Execute), (b) at the end of a simple Query message
+//     that leaves no explicit block open, (c) at a Sync that leaves no
+//     explicit block open, (d) inside CALL/DO/fast-path function calls run
+//     outside a block, and (e) in statements that run in their own
+//     transaction (CREATE DATABASE ...). (a)-(c) get an injected check
+//     immediately before; (d) runs inside the implicit block of a
+//     multi-statement Query (simple protocol), where procedures cannot
+//     commit, or is refused (extended protocol, function calls); (e) is refused.
+//  2. A check is omitted only where the proxy knows exactly that the session
+//     is inside an explicit block (then the commit comes later, at a commit
+//     point that gets its own check). "Exactly" means from the server's
+//     last ReadyForQuery with nothing outstanding, plus the statements of
+//     the current unit, whose failure skips everything up to the unit's end.
+//     When a prediction would omit a check and earlier units are still
+//     outstanding, the proxy waits for them instead of guessing.
+//  3. Refusals are made by the server, in order: the proxy replaces the
+//     refused message with a statement that raises the fencing error, so
+//     the client sees the error exactly where its message's result would be,
+//     and the server's own error handling skips the rest of the unit.
+//  4. A check that fails before an explicit COMMIT leaves the block failed;
+//     the proxy then sends ROLLBACK itself before it forwards anything else
+//     from the client, so the client sees its COMMIT fail and the session idle.
+//
+// Statement splitting and classification are PostgreSQL's own grammar (via
+// internal/sqltx). SQL text the proxy sends is built from validated resource
+// names and integer tokens only.
+
+// Names of the proxy's own prepared statement and portal. They are closed
+// before every use, so a leftover from a failed unit never collides.
+const (
+	ownStmt   = "__fenceproxy_s"
+	ownPortal = "__fenceproxy_p"
+)
+
+type entryKind uint8
+
+const (
+	eParse    entryKind = iota + 1 // ParseComplete
+	eBind                          // BindComplete
+	eDescribe                      // [ParameterDescription] RowDescription|NoData
+	eExecute                       // DataRow*... CommandComplete|EmptyQueryResponse|PortalSuspended
+	eClose                         // CloseComplete
+	eFunc                          // FunctionCallResponse
+	eStmt                          // one statement of a simple Query
+	eSync                          // ReadyForQuery ending a Sync unit
+	eQueryEnd                      // ReadyForQuery ending a Query or FunctionCall
+)
+
+// entry is one expected response (or group of responses), in the order the
+// server will send them.
+type entry struct {
+	kind    entryKind
+	ours    bool         // swallow the responses
+	check   bool         // our fence check: its error is a fencing rejection
+	refusal *fence.Error // our refusal: its error is replaced by this one
+	unit    *unit        // on end entries
+}
+
+// unit is what ends with one ReadyForQuery.
+type unit struct {
+	rollbackOnFail bool // a check before an explicit COMMIT: ROLLBACK if it fails
+	checkFailed    bool
+	internal       *unit // set on the proxy's own ROLLBACK: the client's unit it completes
+}
+
+// relay runs both directions until either side closes or fails.
+func (sess *session) relay(ctx context.Context) error {
+	stop := context.AfterFunc(ctx, func() {
+		sess.client.Close()
+		sess.server.Close()
+	})
+	defer stop()
+	errc := make(chan error, 2)
+	go func() { errc <- sess.clientToServer() }()
+	go func() { errc <- sess.serverToClient() }()
+	err := <-errc
+	sess.mu.Lock()
+	sess.closed = true
+	sess.cond.Broadcast()
+	sess.mu.Unlock()
+	// Closing both ends unblocks the other direction. Closing the server
+	// connection ends the backend, which rolls back any open transaction.
+	sess.client.Close()
+	sess.server.Close()
+	<-errc
+	return err
+}
+
+// ---------------------------------------------------------------------
+// server -> client
+
+func (sess *session) serverToClient() error {
+	if sess.mode == modePassthrough {
+		return sess.serverToClientPlain()
+	}
+	return sess.serverToClientFenced()
+}
+
+func (sess *session) flushClientIfIdle() error {
+	if sess.sr.Buffered() == 0 {
+		sess.cwMu.Lock()
+		err := sess.cw.Flush()
+		sess.cwMu.Unlock()
+		return err
+	}
+	return nil
+}
+
+// serverToClientPlain relays everything, tracking ReadyForQuery.
+func (sess *session) serverToClientPlain() error {
+	for {
+		if err := sess.flushClientIfIdle(); err != nil {
+			return err
+		}
+		typ, n, err := sess.sr.Next()
+		if err != nil {
+			return err
+		}
+		switch typ {
+		case 'Z':
+			body, err := sess.sr.Body()
+			if err != nil {
+				return err
+			}
+			if len(body) != 1 {
+				return fmt.Errorf("malformed ReadyForQuery")
+			}
+			if err := sess.writeClient(typ, body); err != nil {
+				return err
+			}
+			sess.readyForQuery(body[0])
+		case 'S':
+			body, err := sess.sr.Body()
+			if err != nil {
+				return err
+			}
+			sess.noteParameter(body)
+			if err := sess.writeClient(typ, body); err != nil {
+				return err
+			}
+		default:
+			_ = n
+			if err := sess.copyClient(); err != nil {
+				return err
+			}
+		}
+	}
+}
+
+func (sess *session) writeClient(typ byte, body []byte) error {
+	sess.cwMu.Lock()
+	defer sess.cwMu.Unlock()
+	return wire.WriteMessage(sess.cw, typ, body)
+}
+
+func (sess *session) copyClient() error {
+	sess.cwMu.Lock()
+	defer sess.cwMu.Unlock()
+	return sess.sr.CopyBody(sess.cw)
+}
+
+func (sess *session) writeClientError(resp *pgproto3.ErrorResponse) error {
+	return sess.writeClient('E', wire.AppendError(nil, resp)[5:])
+}
+
+// readyForQuery records a ReadyForQuery relayed to the client.
+func (sess *session) readyForQuery(status byte) {
+	sess.mu.Lock()
+	sess.status = status
+	if sess.outstanding > 0 {
+		sess.outstanding--
+	}
+	idle := sess.outstanding == 0 && status == 'I'
+	sess.cond.Broadcast()
+	sess.mu.Unlock()
+	if idle && sess.shuttingDown.Load() {
+		sess.flushClientIfIdle() //nolint:errcheck
+		sess.closeForShutdown()
+	}
+}
+
+func (sess *session) head() *entry {
+	sess.mu.Lock()
+	defer sess.mu.Unlock()
+	if len(sess.queue) == 0 {
+		return nil
+	}
+	return sess.queue[0]
+}
+
+func (sess *session) pop() {
+	sess.mu.Lock()
+	if len(sess.queue) > 0 {
+		sess.queue[0] = nil
+		sess.queue = sess.queue[1:]
+	}
+	sess.mu.Unlock()
+}
+
+// popThroughEnd removes entries up to and including the first end entry
+// (Sync/Query end) and returns it.
+func (sess *session) popThroughEnd() *entry {
+	sess.mu.Lock()
+	defer sess.mu.Unlock()
+	for len(sess.queue) > 0 {
+		e := sess.queue[0]
+		sess.queue[0] = nil
+		sess.queue = sess.queue[1:]
+		if e.kind == eSync || e.kind == eQueryEnd {
+			return e
+		}
+	}
+	return nil
+}
+
+func (sess *session) push(es ...*entry) {
+	sess.mu.Lock()
+	sess.queue = append(sess.queue, es...)
+	sess.mu.Unlock()
+}
+
+// push queues entries of the current unit.
+func (c *cstate) push(sess *session, es ...*entry) {
+	for _, e := range es {
+		e.unit = c.unit
+	}
+	sess.push(es...)
+}
+
+func (sess *session) serverToClientFenced() error {
+	for {
+		if err := sess.flushClientIfIdle(); err != nil {
+			return err
+		}
+		typ, _, err := sess.sr.Next()
+		if err != nil {
+			return err
+		}
+		switch typ {
+		case 'N', 'A': // asynchronous: relay whatever is expected
+			if err := sess.copyClient(); err != nil {
+				return err
+			}
+			continue
+		case 'S':
+			body, err := sess.sr.Body()
+			if err != nil {
+				return err
+			}
+			sess.noteParameter(body)
+			if err := sess.writeClient(typ, body); err != nil {
+				return err
+			}
+			continue
+		case 'E':
+			body, err := sess.sr.Body()
+			if err != nil {
+				return err
+			}
+			if err := sess.serverError(body); err != nil {
+				return err
+			}
+			continue
+		case 'Z':
+			body, err := sess.sr.Body()
+			if err != nil {
+				return err
+			}
+			if len(body) != 1 {
+				return fmt.Errorf("malformed ReadyForQuery")
+			}
+			if err := sess.serverReady(body[0]); err != nil {
+				return err
+			}
+			continue
+		}
+		e := sess.head()
+		if e == nil || !e.ours {
+			if err := sess.copyClient(); err != nil {
+				return err
+			}
+		} else if err := sess.sr.Discard(); err != nil {
+			return err
+		}
+		if e == nil {
+			continue
+		}
+		// Which responses complete the head entry.
+		switch typ {
+		case '1', '2', '3', 'V':
+			sess.pop()
+		case 'n':
+			if e.kind == eDescribe {
+				sess.pop()
+			}
+		case 'T':
+			if e.kind == eDescribe {
+				sess.pop()
+			}
+		case 'C', 'I', 's':
+			if e.kind == eExecute || e.kind == eStmt {
+				sess.pop()
+			}
+		}
+	}
+}
+
+// serverError relays (or translates) an ErrorResponse and completes the
+// entry it answers; the server skips the rest of the unit, whose entries are
+// dropped at its ReadyForQuery.
+func (sess *session) serverError(body []byte) error {
+	e := sess.head()
+	if e == nil || e.kind == eSync || e.kind == eQueryEnd {
+		return sess.writeClient('E', body)
+	}
+	sess.pop()
+	resp, derr := wire.DecodeError(body)
+	switch {
+	case e.refusal != nil:
+		sess.srv.metrics.rejection(e.refusal.Code)
+		return sess.writeClientError(e.refusal.Response(wire.SeverityError))
+	case e.check && derr == nil:
+		e.unit.checkFailed = true
+		sess.srv.metrics.checkFailure()
+		return sess.writeClientError(sess.translateCheckError(resp))
+	case derr == nil && resp.Code == wire.CodeQueryCanceled && sess.stale.Load() && sess.cancelSent.Load():
+		fe := fence.Stale(sess.cred.Resource, sess.cred.Token, sess.admitted.Load())
+		fe.Detail = "The query was cancelled because another holder of the lock was admitted with a higher token."
+		sess.srv.metrics.rejection(fe.Code)
+		return sess.writeClientError(fe.Response(wire.SeverityError))
+	}
+	return sess.writeClient('E', body)
+}
+
+// translateCheckError turns what the check raised into the fencing error.
+// fence.check reports staleness itself (ZF001, also under REPEATABLE READ
+// and SERIALIZABLE, where a concurrent raise surfaces as 40001); the
+// translation here is the proxy's second line for errors that escape it.
+func (sess *session) translateCheckError(resp *pgproto3.ErrorResponse) *pgproto3.ErrorResponse {
+	if sess.mode != modeFenced {
+		return resp
+	}
+	switch resp.Code {
+	case wire.CodeSerializationFailure:
+		fe := fence.Stale(sess.cred.Resource, sess.cred.Token, sess.srv.reg.Highest(sess.cred.Resource))
+		fe.Message = fmt.Sprintf("stale fencing token: resource %q token %d was superseded by a token admitted while this transaction ran", sess.cred.Resource, sess.cred.Token)
+		sess.srv.metrics.rejection(fe.Code)
+		return fe.Response(wire.SeverityError)
+	case wire.CodeQueryCanceled:
+		if sess.stale.Load() {
+			fe := fence.Stale(sess.cred.Resource, sess.cred.Token, sess.admitted.Load())
+			sess.srv.metrics.rejection(fe.Code)
+			return fe.Response(wire.SeverityError)
+		}
+	}
+	if strings.HasPrefix(resp.Code, "ZF") {
+		sess.srv.metrics.rejection(resp.Code)
+		if resp.Code == fence.CodeStale {
+			var tok int64
+			if _, err := fmt.Sscanf(resp.Message[strings.LastIndexByte(resp.Message, ' ')+1:], "%d", &tok); err == nil {
+				sess.srv.reg.Observe(sess.cred.Resource, tok)
+			}
+		}
+	}
+	return resp
+}
+
+// serverReady handles a ReadyForQuery: it completes the unit, or first rolls
+// back a block whose commit check failed.
+func (sess *session) serverReady(status byte) error {
+	end := sess.popThroughEnd()
+	if end == nil {
+		if err := sess.writeClient('Z', []byte{status}); err != nil {
+			return err
+		}
+		sess.readyForQuery(status)
+		return nil
+	}
+	u := end.unit
+	if u.internal != nil {
+		// Our ROLLBACK is done: the client's COMMIT ends with the session idle.
+		if err := sess.writeClient('Z', []byte{status}); err != nil {
+			return err
+		}
+		sess.readyForQuery(status)
+		return nil
+	}
+	if u.checkFailed && u.rollbackOnFail && status == 'E' {
+		// The client's COMMIT was skipped after the failed check. End the
+		// failed block so that the client sees what a failed deferred
+		// constraint shows: its COMMIT failed and the session is idle.
+		// The client is blocked at a barrier (see clientToServer), so
+		// nothing of its own can be forwarded before this ROLLBACK.
+		rb := &unit{internal: u}
+		sess.push(&entry{kind: eStmt, ours: true}, &entry{kind: eQueryEnd, ours: true, unit: rb})
+		sess.swMu.Lock()
+		err := wire.WriteMessage(sess.sw, 'Q', []byte("ROLLBACK\x00"))
+		if err == nil {
+			err = sess.sw.Flush()
+		}
+		sess.swMu.Unlock()
+		return err
+	}
+	if err := sess.writeClient('Z', []byte{status}); err != nil {
+		return err
+	}
+	sess.readyForQuery(status)
+	return nil
+}
+
+// ---------------------------------------------------------------------
+// client -> server
+
+// cstate is the client-to-server direction's view of the transaction.
+type cstate struct {
+	stmts   map[string]sqltx.Kind
+	portals map[string]sqltx.Kind
+
+	// pred is the predicted status after everything forwarded so far.
+	pred byte
+
+	// The current unit (messages up to a Sync).
+	open       bool
+	start      byte // status at the unit's start
+	exact      bool // start is known from a ReadyForQuery with nothing outstanding
+	kinds      []sqltx.Kind
+	hasExecute bool
+	unit       *unit
+
+	ownCheck []byte // the check as Close, Close, Parse, Bind, Execute messages
+}
+
+func apply(st byte, k sqltx.Kind) byte {
+	switch k {
+	case sqltx.Begin:
+		if st == 'I' {
+			return 'T'
+		}
+	case sqltx.Commit, sqltx.Rollback, sqltx.PrepareTransaction:
+		return 'I'
+	case sqltx.CommitChain, sqltx.RollbackChain:
+		return 'T'
+	}
+	return st
+}
+
+func (sess *session) clientToServer() error {
+	if sess.mode == modePassthrough {
+		return sess.clientToServerPlain()
+	}
+	return sess.clientToServerFenced()
+}
+
+func (sess *session) flushServerIfIdle() error {
+	if sess.cr.Buffered() == 0 {
+		sess.swMu.Lock()
+		err := sess.sw.Flush()
+		sess.swMu.Unlock()
+		return err
+	}
+	return nil
+}
+
+func (sess *session) clientToServerPlain() error {
+	for {
+		if err := sess.flushServerIfIdle(); err != nil {
+			return err
+		}
+		typ, _, err := sess.cr.Next()
+		if err != nil {
+			return sess.clientReadError(err)
+		}
+		sess.swMu.Lock()
+		err = sess.cr.CopyBody(sess.sw)
+		sess.swMu.Unlock()
+		if err != nil {
+			return err
+		}
+		if typ == 'X' {
+			sess.sw.Flush() //nolint:errcheck
+			return io.EOF
+		}
+	}
+}
+
+// clientReadError tells the client why its connection is being closed when
+// the problem is its own message (too large, malformed).
+func (sess *session) clientReadError(err error) error {
+	if errors.Is(err, wire.ErrMessageTooLarge) {
+		sess.fatalToClient(wire.CodeProgramLimitExceeded, err.Error())
+	} else if errors.Is(err, wire.ErrMalformed) {
+		sess.fatalToClient(wire.CodeProtocolViolation, err.Error())
+	}
+	return err
+}
+
+func (sess *session) fatalToClient(code, msg string) {
+	sess.log.Info("closing session", zap.String("sqlstate", code), zap.String("reason", msg))
+	sess.cwMu.Lock()
+	defer sess.cwMu.Unlock()
+	resp := &pgproto3.ErrorResponse{Severity: wire.SeverityFatal, Code: code, Message: "fenceproxy: " + msg}
+	wire.WriteMessage(sess.cw, 'E', wire.AppendError(nil, resp)[5:]) //nolint:errcheck
+	sess.cw.Flush()                                                  //nolint:errcheck
+}
+
+func (sess *session) writeServer(typ byte, body []byte) error {
+	sess.swMu.Lock()
+	defer sess.swMu.Unlock()
+	return wire.WriteMessage(sess.sw, typ, body)
+}
+
+func (sess *session) writeServerRaw(b []byte) error {
+	sess.swMu.Lock()
+	defer sess.swMu.Unlock()
+	_, err := sess.sw.Write(b)
+	return err
+}
+
+// waitIdle blocks until every forwarded unit is answered and returns the
+// server's status then.
+func (sess *session) waitIdle() (byte, error) {
+	if err := sess.flushServer(); err != nil {
+		return 0, err
+	}
+	sess.mu.Lock()
+	defer sess.mu.Unlock()
+	for sess.outstanding > 0 && !sess.closed {
+		sess.cond.Wait()
+	}
+	if sess.closed {
+		return 0, errSessionClosed
+	}
+	return sess.status, nil
+}
+
+var errSessionClosed = errors.New("session closed")
+
+func (sess *session) flushServer() error {
+	sess.swMu.Lock()
+	defer sess.swMu.Unlock()
+	return sess.sw.Flush()
+}
+
+func (c *cstate) begin(sess *session) {
+	if c.open {
+		return
+	}
+	c.open = true
+	c.kinds = c.kinds[:0]
+	c.hasExecute = false
+	c.unit = &unit{}
+	sess.mu.Lock()
+	if sess.outstanding == 0 && len(sess.queue) == 0 {
+		c.start, c.exact = sess.status, true
+	} else {
+		c.start, c.exact = c.pred, false
+	}
+	sess.mu.Unlock()
+}
+
+func (c *cstate) ensureExact(sess *session) error {
+	if c.exact {
+		return nil
+	}
+	st, err := sess.waitIdle()
+	if err != nil {
+		return err
+	}
+	c.start, c.exact = st, true
+	return nil
+}
+
+func (c *cstate) current() byte {
+	st := c.start
+	for _, k := range c.kinds {
+		st = apply(st, k)
+	}
+	return st
+}
+
+// failed reports whether the unit is still inside a failed block, where a
+// COMMIT only rolls back and a check would only add an error.
+func (c *cstate) failed() bool {
+	if c.start != 'E' {
+		return false
+	}
+	for _, k := range c.kinds {
+		if k.EndsBlock() || k == sqltx.CommitChain || k == sqltx.RollbackChain {
+			return false
+		}
+	}
+	return true
+}
+
+func (sess *session) clientToServerFenced() error {
+	c := &cstate{
+		stmts:   map[string]sqltx.Kind{},
+		portals: map[string]sqltx.Kind{},
+		pred:    'I',
+	}
+	c.ownCheck = ownStatementMessages(nil, sess.checkSQL)
+	for {
+		if err := sess.flushServerIfIdle(); err != nil {
+			return err
+		}
+		typ, _, err := sess.cr.Next()
+		if err != nil {
+			return sess.clientReadError(err)
+		}
+		switch typ {
+		case 'Q':
+			err = sess.onQuery(c)
+		case 'P':
+			err = sess.onParse(c)
+		case 'B':
+			err = sess.onBind(c)
+		case 'E':
+			err = sess.onExecute(c)
+		case 'S':
+			err = sess.onSync(c)
+		case 'D':
+			c.begin(sess)
+			c.push(sess, &entry{kind: eDescribe})
+			err = sess.forward()
+		case 'C':
+			err = sess.onClose(c)
+		case 'F':
+			err = sess.onFunctionCall(c)
+		case 'H': // Flush
+			if err = sess.forward(); err == nil {
+				err = sess.flushServer()
+			}
+		case 'X':
+			sess.forward()     //nolint:errcheck
+			sess.flushServer() //nolint:errcheck
+			return io.EOF
+		default: // CopyData, CopyDone, CopyFail, and anything the server judges
+			err = sess.forward()
+		}
+		if err != nil {
+			return err
+		}
+	}
+}
+
+// forward streams the current client message to the server unchanged.
+func (sess *session) forward() error {
+	sess.swMu.Lock()
+	defer sess.swMu.Unlock()
+	return sess.cr.CopyBody(sess.sw)
+}
+
+func (sess *session) protocolError(what string, err error) error {
+	msg := fmt.Sprintf("malformed %s message: %v", what, err)
+	sess.fatalToClient(wire.CodeProtocolViolation, msg)
+	return errors.New(msg)
+}
+
+func (sess *session) onParse(c *cstate) error {
+	body, err := sess.cr.Body()
+	if err != nil {
+		return err
+	}
+	name, rest, err := wire.CString(body)
+	if err != nil {
+		return sess.protocolError("Parse", err)
+	}
+	query, _, err := wire.CString(rest)
+	if err != nil {
+		return sess.protocolError("Parse", err)
+	}
+	c.begin(sess)
+	kind, cerr := sqltx.Classify(query)
+	if cerr == nil {
+		cerr = sess.lexUnsafe(kind)
+	}
+	if cerr != nil {
+		// The proxy cannot tell what this statement does: refuse it rather
+		// than risk an unchecked commit.
+		c.stmts[name] = sqltx.Other
+		return sess.refuse(c, sess.parseRefusal(cerr))
+	}
+	c.stmts[name] = kind
+	c.push(sess, &entry{kind: eParse})
+	return sess.writeServer('P', body)
+}
+
+var (
+	errStdStrings = errors.New("standard_conforming_strings is off")
+	errEncoding   = errors.New("client_encoding is not ASCII-safe")
+)
+
+// lexUnsafe reports whether the session's settings, or the statement about
+// to change them, would make the server lex SQL differently from the
+// proxy's parser (a COMMIT could then hide from the proxy).
+func (sess *session) lexUnsafe(kinds ...sqltx.Kind) error {
+	for _, k := range kinds {
+		switch k {
+		case sqltx.SetStdStrings:
+			return errStdStrings
+		case sqltx.SetClientEncoding:
+			return errEncoding
+		}
+	}
+	sess.mu.Lock()
+	defer sess.mu.Unlock()
+	if !sess.stdStrings {
+		return errStdStrings
+	}
+	if sess.encodingUnsafe {
+		return errEncoding
+	}
+	return nil
+}
+
+func (sess *session) parseRefusal(err error) *fence.Error {
+	switch {
+	case errors.Is(err, errStdStrings):
+		return fence.NotAllowed("standard_conforming_strings=off",
+			"fenceproxy parses SQL with PostgreSQL's grammar under standard_conforming_strings=on; keep that setting on in fenced sessions")
+	case errors.Is(err, errEncoding):
+		return fence.NotAllowed("a client_encoding whose multibyte characters can contain backslashes or quotes (SJIS, BIG5, GBK, UHC, GB18030, JOHAB)",
+			"use UTF8 (or another ASCII-safe encoding) in fenced sessions")
+	}
+	fe := fence.NotAllowed("statement that fenceproxy could not parse: "+err.Error(),
+		"fenceproxy must find transaction control in every statement of a fenced session; fix the syntax error")
+	fe.Code = wire.CodeSyntaxError
+	return fe
+}
+
+func (sess *session) onBind(c *cstate) error {
+	body, err := sess.cr.Body()
+	if err != nil {
+		return err
+	}
+	portal, rest, err := wire.CString(body)
+	if err != nil {
+		return sess.protocolError("Bind", err)
+	}
+	stmt, _, err := wire.CString(rest)
+	if err != nil {
+		return sess.protocolError("Bind", err)
+	}
+	c.begin(sess)
+	c.portals[portal] = c.stmts[stmt]
+	c.push(sess, &entry{kind: eBind})
+	return sess.writeServer('B', body)
+}
+
+func (sess *session) onClose(c *cstate) error {
+	body, err := sess.cr.Body()
+	if err != nil {
+		return err
+	}
+	if len(body) < 2 {
+		return sess.protocolError("Close", io.ErrUnexpectedEOF)
+	}
+	name, _, err := wire.CString(body[1:])
+	if err != nil {
+		return sess.protocolError("Close", err)
+	}
+	switch body[0] {
+	case 'S':
+		delete(c.stmts, name)
+	case 'P':
+		delete(c.portals, name)
+	}
+	c.begin(sess)
+	c.push(sess, &entry{kind: eClose})
+	return sess.writeServer('C', body)
+}
+
+func (sess *session) onExecute(c *cstate) error {
+	body, err := sess.cr.Body()
+	if err != nil {
+		return err
+	}
+	portal, _, err := wire.CString(body)
+	if err != nil {
+		return sess.protocolError("Execute", err)
+	}
+	c.begin(sess)
+	c.hasExecute = true
+	kind := c.portals[portal]
+	// A stale session's statements are refused before they run, except those
+	// that end its transaction: commit points go through the check, which
+	// fails against the database and leaves the session idle (obligation 4).
+	if sess.mode == modeFenced && sess.stale.Load() && !harmless(kind) && !kind.CommitPoint() {
+		return sess.refuse(c, sess.staleError())
+	}
+	switch {
+	case kind.CommitPoint():
+		if err := c.ensureExact(sess); err != nil {
+			return err
+		}
+		if !c.failed() {
+			if err := sess.injectCheck(c); err != nil {
+				return err
+			}
+			c.unit.rollbackOnFail = true
+		}
+	case kind == sqltx.Call || kind == sqltx.Do:
+		if c.current() == 'I' {
+			if err := c.ensureExact(sess); err != nil {
+				return err
+			}
+			if c.current() == 'I' {
+				return sess.refuse(c, fence.NotAllowed(kind.String()+" outside a transaction block",
+					"a procedure called outside a block can COMMIT past the fencing check; wrap the call in BEGIN ... COMMIT, or send it with the simple query protocol"))
+			}
+		}
+	case kind.OwnTransaction() && !kind.SafeWithoutCheck():
+		return sess.refuse(c, noTxBlockRefusal())
+	}
+	c.kinds = append(c.kinds, kind)
+	c.push(sess, &entry{kind: eExecute})
+	return sess.writeServer('E', body)
+}
+
+func noTxBlockRefusal() *fence.Error {
+	return fence.NotAllowed("statement that runs in its own transaction (it cannot be made conditional on the fencing token)",
+		"run it in a session without fencing (an administrator's connection straight to PostgreSQL)")
+}
+
+func (sess *session) staleError() *fence.Error {
+	fe := fence.Stale(sess.cred.Resource, sess.cred.Token, sess.admitted.Load())
+	fe.Detail = "fenceproxy refused this statement before it ran: another holder of the lock was admitted with a higher token."
+	return fe
+}
+
+func (sess *session) onSync(c *cstate) error {
+	body, err := sess.cr.Body()
+	if err != nil {
+		return err
+	}
+	c.begin(sess)
+	if c.hasExecute {
+		st := c.current()
+		if st != 'I' {
+			if err := c.ensureExact(sess); err != nil {
+				return err
+			}
+			st = c.current()
+		}
+		if st == 'I' {
+			// The implicit transaction commits at this Sync.
+			if err := sess.injectCheck(c); err != nil {
+				return err
+			}
+		}
+	}
+	return sess.endUnit(c, eSync, 'S', body)
+}
+
+// endUnit forwards the message that ends the unit and, after a check before
+// an explicit COMMIT, waits for its outcome (obligation 4).
+func (sess *session) endUnit(c *cstate, kind entryKind, typ byte, body []byte) error {
+	u := c.unit
+	c.pred = c.current()
+	c.open = false
+	sess.mu.Lock()
+	sess.outstanding++
+	sess.queue = append(sess.queue, &entry{kind: kind, unit: u})
+	sess.mu.Unlock()
+	if err := sess.writeServer(typ, body); err != nil {
+		return err
+	}
+	if u.rollbackOnFail {
+		if _, err := sess.waitIdle(); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// injectCheck sends the proxy's check before the message being handled.
+func (sess *session) injectCheck(c *cstate) error {
+	sess.srv.metrics.check()
+	c.push(sess,
+		&entry{kind: eClose, ours: true},
+		&entry{kind: eClose, ours: true},
+		&entry{kind: eParse, ours: true},
+		&entry{kind: eBind, ours: true},
+		&entry{kind: eExecute, ours: true, check: true},
+	)
+	return sess.writeServerRaw(c.ownCheck)
+}
+
+// refuse replaces the current client message with a statement that makes
+// the server raise fe, so the refusal arrives in order and the server skips
+// the rest of the unit by its own rules. The current message's body must
+// already be consumed or is discarded here.
+func (sess *session) refuse(c *cstate, fe *fence.Error) error {
+	if err := sess.cr.Discard(); err != nil {
+		return err
+	}
+	c.push(sess,
+		&entry{kind: eClose, ours: true},
+		&entry{kind: eClose, ours: true},
+		&entry{kind: eParse, ours: true},
+		&entry{kind: eBind, ours: true},
+		&entry{kind: eExecute, ours: true, refusal: fe},
+	)
+	return sess.writeServerRaw(ownStatementMessages(nil, refusalSQL(fe)))
+}
+
+// refusalSQL raises fe's SQLSTATE on the server. The text is the proxy's
+// own (validated names, integers); quotes are doubled regardless. The client
+// never sees this error: the proxy replaces it with fe itself.
+func refusalSQL(fe *fence.Error) string {
+	return "DO $fenceproxy$BEGIN RAISE EXCEPTION USING ERRCODE = '" + fe.Code + "', MESSAGE = '" +
+		strings.ReplaceAll(strings.ReplaceAll(fe.Message, "'", "''"), "$fenceproxy$", "") + "'; END$fenceproxy$"
+}
+
+// ownStatementMessages appends Close portal, Close statement, Parse, Bind and
+// Execute of sql under the proxy's own names.
+func ownStatementMessages(dst []byte, sql string) []byte {
+	dst = wire.AppendMessage(dst, 'C', append([]byte{'P'}, ownPortal+"\x00"...))
+	dst = wire.AppendMessage(dst, 'C', append([]byte{'S'}, ownStmt+"\x00"...))
+	parse := make([]byte, 0, len(ownStmt)+len(sql)+4)
+	parse = append(parse, ownStmt+"\x00"...)
+	parse = append(parse, sql...)
+	parse = append(parse, 0, 0, 0) // no parameter types
+	dst = wire.AppendMessage(dst, 'P', parse)
+	bind := make([]byte, 0, 64)
+	bind = append(bind, ownPortal+"\x00"+ownStmt+"\x00"...)
+	bind = append(bind, 0, 0, 0, 0, 0, 0) // no formats, no parameters, no result formats
+	dst = wire.AppendMessage(dst, 'B', bind)
+	exec := append([]byte(ownPortal+"\x00"), 0, 0, 0, 0)
+	return wire.AppendMessage(dst, 'E', exec)
+}
+
+func (sess *session) onQuery(c *cstate) error {
+	body, err := sess.cr.Body()
+	if err != nil {
+		return err
+	}
+	sql, _, err := wire.CString(body)
+	if err != nil {
+		return sess.protocolError("Query", err)
+	}
+	c.begin(sess)
+	if err := sess.lexUnsafe(); err != nil {
+		return sess.refuseQuery(c, sess.parseRefusal(err))
+	}
+	st := c.current()
+	plan, perr := sqltx.PlanQuery(sql, st != 'I', c.failed(), sess.checkSQL)
+	if perr == nil && !c.exact && (st != 'I' || plan.Checks > finalChecks(plan)) {
+		if err := c.ensureExact(sess); err != nil {
+			return err
+		}
+		st = c.current()
+		plan, perr = sqltx.PlanQuery(sql, st != 'I', c.failed(), sess.checkSQL)
+	}
+	if perr != nil {
+		if !errors.Is(perr, sqltx.ErrNeedsOwnTransaction) {
+			return sess.refuseQuery(c, sess.parseRefusal(perr))
+		}
+		// A lone statement that PostgreSQL runs outside any block: no check
+		// can share its transaction. Maintenance that changes no data
+		// (VACUUM, DISCARD ALL) goes as it is; the rest is refused.
+		if len(plan.Kinds) != 1 || !plan.Kinds[0].SafeWithoutCheck() {
+			return sess.refuseQuery(c, noTxBlockRefusal())
+		}
+	}
+	if err := sess.lexUnsafe(plan.Kinds...); err != nil {
+		return sess.refuseQuery(c, sess.parseRefusal(err))
+	}
+	if sess.mode == modeFenced && sess.stale.Load() && plan.Checks == finalChecks(plan) && !harmlessQuery(sql) {
+		return sess.refuseQuery(c, sess.staleError())
+	}
+	if plan.Checks > finalChecks(plan) {
+		c.unit.rollbackOnFail = true
+	}
+	es := make([]*entry, 0, len(plan.Ours)+1)
+	for _, ours := range plan.Ours {
+		es = append(es, &entry{kind: eStmt, ours: ours, check: ours})
+		if ours {
+			sess.srv.metrics.check()
+		}
+	}
+	if len(plan.Ours) == 0 {
+		// Empty query: one EmptyQueryResponse.
+		es = append(es, &entry{kind: eStmt})
+	}
+	c.push(sess, es...)
+	// The Query ends the unit and carries the plan's own state.
+	c.kinds = append(c.kinds, planKinds(plan)...)
+	out := make([]byte, 0, len(plan.Text)+1)
+	out = append(out, plan.Text...)
+	out = append(out, 0)
+	return sess.endUnit(c, eQueryEnd, 'Q', out)
+}
+
+// finalChecks is 1 when the plan's last statement is the check appended for
+// the implicit transaction, which needs no ROLLBACK when it fails.
+func finalChecks(p sqltx.QueryPlan) int {
+	if n := len(p.Ours); n > 0 && p.Ours[n-1] {
+		return 1
+	}
+	return 0
+}
+
+// planKinds summarises a plan's effect on the block state for the
+// prediction of the next unit.
+func planKinds(p sqltx.QueryPlan) []sqltx.Kind {
+	if p.EndsInBlock {
+		return []sqltx.Kind{sqltx.RollbackChain} // "in a block"
+	}
+	return []sqltx.Kind{sqltx.Rollback} // "idle"
+}
+
+// harmlessQuery reports whether a stale session's Query only ends its
+// transaction (ROLLBACK and friends), which the proxy lets through.
+func harmlessQuery(sql string) bool {
+	stmts, err := sqltx.Split(sql)
+	if err != nil || len(stmts) == 0 {
+		return false
+	}
+	for _, s := range stmts {
+		if !harmless(s.Kind) {
+			return false
+		}
+	}
+	return true
+}
+
+// refuseQuery answers a Query with a refusal raised by the server.
+func (sess *session) refuseQuery(c *cstate, fe *fence.Error) error {
+	c.push(sess, &entry{kind: eStmt, ours: true, refusal: fe})
+	body := append([]byte(refusalSQL(fe)), 0)
+	return sess.endUnit(c, eQueryEnd, 'Q', body)
+}
+
+func (sess *session) onFunctionCall(c *cstate) error {
+	body, err := sess.cr.Body()
+	if err != nil {
+		return err
+	}
+	c.begin(sess)
+	if c.current() == 'I' {
+		if err := c.ensureExact(sess); err != nil {
+			return err
+		}
+	}
+	if c.current() == 'I' || (sess.mode == modeFenced && sess.stale.Load()) {
+		fe := fence.NotAllowed("fast-path function call outside a transaction block",
+			"a function call outside a block commits without the fencing check; call it inside BEGIN ... COMMIT")
+		if sess.stale.Load() {
+			fe = sess.staleError()
+		}
+		return sess.refuseQuery(c, fe)
+	}
+	if len(body) < 4 {
+		return sess.protocolError("FunctionCall", io.ErrUnexpectedEOF)
+	}
+	_ = binary.BigEndian.Uint32(body)
+	c.push(sess, &entry{kind: eFunc})
+	return sess.endUnit(c, eQueryEnd, 'F', body)
+}
+
+// harmless kinds only end or unwind a transaction: a stale session may
+// still send them, so that it can leave its block.
+func harmless(k sqltx.Kind) bool {
+	switch k {
+	case sqltx.Rollback, sqltx.RollbackTo, sqltx.RollbackPrepared, sqltx.Release:
+		return true
+	}
+	return false
+}

@@ -1,0 +1,219 @@
+package proxy
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/fenceproxy/fenceproxy/internal/fence"
+	"github.com/fenceproxy/fenceproxy/internal/wire"
+)
+
+// Admitter validates a session's credentials against an authority outside
+// the database (Consul) before the proxy raises the token. A nil Admitter
+// admits every well-formed token; the database check still orders them.
+type Admitter interface {
+	Admit(ctx context.Context, c fence.Credentials) error
+}
+
+// Options are the optional collaborators of a Server. The zero value is valid.
+type Options struct {
+	// Logger receives the proxy's logs (nil: no logs).
+	Logger *zap.Logger
+	// Metrics records the proxy's metrics (nil: none).
+	Metrics *Metrics
+	// Registry is the per-resource highest known token (nil: a new one).
+	// Share it with the LISTEN watcher and the Consul watcher.
+	Registry *fence.Registry
+	// Admitter validates tokens at session start (nil: no external validation).
+	Admitter Admitter
+}
+
+// Server is a running proxy.
+type Server struct {
+	cfg     *settings
+	log     *zap.Logger
+	metrics *Metrics
+	reg     *fence.Registry
+	admit   Admitter
+
+	clients  atomic.Int64
+	mu       sync.Mutex
+	sessions map[*session]struct{}
+	draining atomic.Bool
+	wg       sync.WaitGroup
+}
+
+// New validates cfg and returns a Server.
+func New(cfg Config, opts Options) (*Server, error) {
+	s, err := cfg.validate()
+	if err != nil {
+		return nil, err
+	}
+	srv := &Server{
+		cfg:      s,
+		log:      opts.Logger,
+		metrics:  opts.Metrics,
+		reg:      opts.Registry,
+		admit:    opts.Admitter,
+		sessions: map[*session]struct{}{},
+	}
+	if srv.log == nil {
+		srv.log = zap.NewNop()
+	}
+	if srv.reg == nil {
+		srv.reg = fence.NewRegistry()
+	}
+	return srv, nil
+}
+
+// Registry returns the server's token registry.
+func (s *Server) Registry() *fence.Registry { return s.reg }
+
+// Resources returns the configured resources.
+func (s *Server) Resources() []Resource { return append([]Resource(nil), s.cfg.resources...) }
+
+// Addr is the configured listen address.
+func (s *Server) Addr() string { return s.cfg.Listen }
+
+// ListenAndServe listens on the configured address and serves until ctx is done.
+func (s *Server) ListenAndServe(ctx context.Context) error {
+	ln, err := net.Listen("tcp", s.cfg.Listen)
+	if err != nil {
+		return err
+	}
+	return s.Serve(ctx, ln)
+}
+
+// Serve accepts clients on ln until ctx is done. Then it stops accepting,
+// closes sessions as soon as they are idle between transactions, gives the
+// others ShutdownGrace to finish, closes what is left and returns nil.
+func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
+	stop := context.AfterFunc(ctx, func() { ln.Close() })
+	defer stop()
+	sessCtx, cancelSessions := context.WithCancel(context.WithoutCancel(ctx))
+	defer cancelSessions()
+	var acceptErr error
+	for {
+		conn, err := ln.Accept()
+		if err != nil {
+			if ctx.Err() != nil {
+				break
+			}
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() {
+				time.Sleep(10 * time.Millisecond)
+				continue
+			}
+			acceptErr = err
+			break
+		}
+		s.wg.Add(1)
+		go func() {
+			defer s.wg.Done()
+			s.handle(sessCtx, conn)
+		}()
+	}
+	s.drain(cancelSessions)
+	return acceptErr
+}
+
+func (s *Server) drain(cancel context.CancelFunc) {
+	s.draining.Store(true)
+	s.mu.Lock()
+	for sess := range s.sessions {
+		sess.shutdownWhenIdle()
+	}
+	n := len(s.sessions)
+	s.mu.Unlock()
+	s.log.Info("shutting down", zap.Int("sessions", n), zap.Duration("grace", s.cfg.ShutdownGrace))
+	done := make(chan struct{})
+	go func() { s.wg.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(s.cfg.ShutdownGrace):
+		s.log.Warn("grace period over; closing remaining sessions")
+		cancel()
+		<-done
+	}
+}
+
+func (s *Server) track(sess *session, add bool) {
+	s.mu.Lock()
+	if add {
+		s.sessions[sess] = struct{}{}
+	} else {
+		delete(s.sessions, sess)
+	}
+	s.mu.Unlock()
+	if add && s.draining.Load() {
+		sess.shutdownWhenIdle()
+	}
+}
+
+// dialUpstream connects to the server and, when configured, negotiates TLS.
+func (s *Server) dialUpstream(ctx context.Context) (net.Conn, error) {
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.ConnectTimeout)
+	defer cancel()
+	var d net.Dialer
+	conn, err := d.DialContext(ctx, s.cfg.upstream.network, s.cfg.upstream.address)
+	if err != nil {
+		return nil, err
+	}
+	if s.cfg.upstream.network == "tcp" {
+		if tc, ok := conn.(*net.TCPConn); ok {
+			tc.SetNoDelay(true)   //nolint:errcheck // best effort
+			tc.SetKeepAlive(true) //nolint:errcheck
+		}
+	}
+	if s.cfg.upstream.tls == nil {
+		return conn, nil
+	}
+	stop := context.AfterFunc(ctx, func() { conn.SetDeadline(time.Now()) }) //nolint:errcheck
+	defer stop()
+	req := (&wire.Startup{Kind: wire.KindSSLRequest}).Encode(nil)
+	if _, err := conn.Write(req); err != nil {
+		conn.Close()
+		return nil, err
+	}
+	var b [1]byte
+	if _, err := io.ReadFull(conn, b[:]); err != nil {
+		conn.Close()
+		return nil, err
+	}
+	if b[0] != 'S' {
+		conn.Close()
+		return nil, fmt.Errorf("server refused TLS (answered %q) but upstream sslmode requires it", b[0])
+	}
+	tc := tls.Client(conn, s.cfg.upstream.tls)
+	if err := tc.HandshakeContext(ctx); err != nil {
+		conn.Close()
+		return nil, fmt.Errorf("TLS to server: %w", err)
+	}
+	conn.SetDeadline(time.Time{}) //nolint:errcheck
+	return tc, nil
+}
+
+// forwardCancel relays a CancelRequest to the server and waits until the
+// server has closed its side, so that the client learns nothing is pending.
+func (s *Server) forwardCancel(ctx context.Context, req *wire.Startup) error {
+	up, err := s.dialUpstream(ctx)
+	if err != nil {
+		return err
+	}
+	defer up.Close()
+	if _, err := up.Write(req.Encode(nil)); err != nil {
+		return err
+	}
+	up.SetReadDeadline(time.Now().Add(s.cfg.ConnectTimeout)) //nolint:errcheck
+	_, err = io.Copy(io.Discard, up)
+	return err
+}

@@ -1,0 +1,539 @@
+package proxy
+
+import (
+	"bufio"
+	"context"
+	"crypto/tls"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgproto3"
+	"go.uber.org/zap"
+
+	"github.com/fenceproxy/fenceproxy/internal/fence"
+	"github.com/fenceproxy/fenceproxy/internal/sqltx"
+	"github.com/fenceproxy/fenceproxy/internal/wire"
+)
+
+const bufSize = 32 << 10
+
+var sessionIDs atomic.Uint64 //nolint:gochecknoglobals // a process-wide counter for log correlation only
+
+// session is one client and its upstream connection.
+type session struct {
+	srv *Server
+	log *zap.Logger
+
+	client, server net.Conn
+	cr, sr         *wire.Reader
+	cw, sw         *bufio.Writer
+	cwMu, swMu     sync.Mutex
+
+	// BackendKeyData of the upstream backend, to cancel its queries.
+	pid uint32
+	key []byte
+
+	cred     fence.Credentials
+	mode     checkMode
+	checkSQL string
+	sub      *fence.Subscription
+
+	// stale is set when a higher token was admitted for the session's
+	// resource; admitted is that token.
+	stale        atomic.Bool
+	admitted     atomic.Int64
+	cancelSent   atomic.Bool
+	shuttingDown atomic.Bool
+
+	// Shared between the two relay directions, guarded by mu.
+	mu          sync.Mutex
+	cond        *sync.Cond
+	status      byte // from the last ReadyForQuery relayed
+	outstanding int  // units (Sync, Query, FunctionCall) forwarded but not answered
+	closed      bool
+	queue       []*entry
+	stdStrings     bool   // standard_conforming_strings as last reported
+	encodingUnsafe bool   // client_encoding may hide a backslash in a multibyte character
+	encoding       string // client_encoding as last reported
+}
+
+type checkMode uint8
+
+const (
+	modePassthrough checkMode = iota // unfenced, allowed: relay only
+	modeFenced                       // fence.check at every commit point
+	modeReadOnly                     // fence.check_readonly at every commit point
+)
+
+// fatal is an error the client sees as a FATAL ErrorResponse before the
+// connection closes.
+type fatal struct {
+	resp *pgproto3.ErrorResponse
+	err  error
+}
+
+func (f *fatal) Error() string { return f.resp.Message }
+func (f *fatal) Unwrap() error { return f.err }
+
+func fatalf(code, format string, args ...any) *fatal {
+	return &fatal{resp: &pgproto3.ErrorResponse{Severity: wire.SeverityFatal, Code: code, Message: fmt.Sprintf(format, args...)}}
+}
+
+func fatalFence(fe *fence.Error) *fatal {
+	return &fatal{resp: fe.Response(wire.SeverityFatal), err: fe}
+}
+
+func (s *Server) handle(ctx context.Context, conn net.Conn) {
+	sess := &session{srv: s, client: conn, status: 'I', stdStrings: true}
+	sess.cond = sync.NewCond(&sess.mu)
+	sess.log = s.log.With(zap.Uint64("session", sessionIDs.Add(1)))
+	if tc, ok := conn.(*net.TCPConn); ok {
+		tc.SetNoDelay(true) //nolint:errcheck // best effort
+	}
+	n := s.clients.Add(1)
+	defer s.clients.Add(-1)
+	defer conn.Close()
+
+	err := sess.start(ctx, n)
+	if err != nil {
+		if sess.server != nil {
+			sess.server.Close()
+		}
+		var f *fatal
+		if errors.As(err, &f) {
+			s.metrics.sessionOutcome("refused")
+			if f.resp.Code[:2] == "ZF" {
+				s.metrics.rejection(f.resp.Code)
+			}
+			sess.log.Info("session refused", zap.String("sqlstate", f.resp.Code), zap.String("reason", f.resp.Message))
+			conn.SetWriteDeadline(time.Now().Add(time.Second)) //nolint:errcheck
+			conn.Write(wire.AppendError(nil, f.resp))          //nolint:errcheck // the connection closes anyway
+		} else if !errors.Is(err, errCancelHandled) && !errors.Is(err, io.EOF) {
+			s.metrics.sessionOutcome("error")
+			sess.log.Debug("session ended during startup", zap.Error(err))
+		}
+		return
+	}
+	s.metrics.sessionOutcome("ok")
+	s.metrics.sessions(1)
+	defer s.metrics.sessions(-1)
+	s.track(sess, true)
+	defer s.track(sess, false)
+	defer sess.sub.Close()
+	err = sess.relay(ctx)
+	if err != nil && !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed) {
+		sess.log.Debug("session ended", zap.Error(err))
+	}
+}
+
+var errCancelHandled = errors.New("cancel request handled")
+
+// start negotiates TLS, reads the startup message, validates the fence
+// parameters, connects upstream, relays authentication and, for fenced
+// sessions, raises the token. On success the client has received
+// ReadyForQuery and the session is ready to relay.
+func (sess *session) start(ctx context.Context, clients int64) error {
+	s := sess.srv
+	loginCtx, cancel := context.WithTimeout(ctx, s.cfg.LoginTimeout)
+	defer cancel()
+	var timedOut atomic.Bool
+	stop := context.AfterFunc(loginCtx, func() {
+		timedOut.Store(true)
+		sess.client.SetDeadline(time.Now()) //nolint:errcheck
+		if sc := sess.serverConn(); sc != nil {
+			sc.SetDeadline(time.Now()) //nolint:errcheck
+		}
+	})
+	err := sess.login(loginCtx, clients)
+	if !stop() || timedOut.Load() {
+		if err == nil || !errors.As(err, new(*fatal)) {
+			err = fatalf(wire.CodeProtocolViolation, "login timeout: startup and authentication took longer than %s", s.cfg.LoginTimeout)
+		}
+		return err
+	}
+	if err != nil {
+		return err
+	}
+	sess.client.SetDeadline(time.Time{}) //nolint:errcheck
+	sess.server.SetDeadline(time.Time{}) //nolint:errcheck
+	return nil
+}
+
+func (sess *session) serverConn() net.Conn {
+	sess.mu.Lock()
+	defer sess.mu.Unlock()
+	return sess.server
+}
+
+func (sess *session) login(ctx context.Context, clients int64) error {
+	s := sess.srv
+	br := bufio.NewReaderSize(sess.client, bufSize)
+	tlsDone := false
+	var st *wire.Startup
+	for st == nil {
+		p, err := wire.ReadStartup(br)
+		if err != nil {
+			if errors.Is(err, wire.ErrStartup) {
+				return fatalf(wire.CodeProtocolViolation, "%v", err)
+			}
+			return err
+		}
+		switch p.Kind {
+		case wire.KindSSLRequest, wire.KindGSSENCRequest:
+			// Bytes sent before our one-byte answer would be read as
+			// plaintext after the TLS switch: refuse them, as PostgreSQL
+			// and PgBouncer do.
+			if br.Buffered() > 0 {
+				return fatalf(wire.CodeProtocolViolation, "received unencrypted data after %s", p.Kind)
+			}
+			if p.Kind == wire.KindSSLRequest && s.cfg.clientTLS != nil && !tlsDone {
+				if _, err := sess.client.Write([]byte{'S'}); err != nil {
+					return err
+				}
+				tc := tls.Server(sess.client, s.cfg.clientTLS)
+				if err := tc.HandshakeContext(ctx); err != nil {
+					return fmt.Errorf("client TLS handshake: %w", err)
+				}
+				sess.client = tc
+				br = bufio.NewReaderSize(tc, bufSize)
+				tlsDone = true
+				continue
+			}
+			if _, err := sess.client.Write([]byte{'N'}); err != nil {
+				return err
+			}
+		case wire.KindCancelRequest:
+			if err := s.forwardCancel(ctx, p); err != nil {
+				sess.log.Debug("cancel request not delivered", zap.Error(err))
+			}
+			return errCancelHandled
+		case wire.KindStartup:
+			st = p
+		}
+	}
+	if clients > int64(s.cfg.MaxClients) {
+		return fatalf(wire.CodeTooManyConnections, "sorry, too many clients already (fenceproxy max-clients %d)", s.cfg.MaxClients)
+	}
+	if s.draining.Load() {
+		return fatalf(wire.CodeCannotConnectNow, "fenceproxy is shutting down")
+	}
+	if err := sess.classify(ctx, st); err != nil {
+		return err
+	}
+
+	up, err := s.dialUpstream(ctx)
+	if err != nil {
+		return fatalf(wire.CodeConnectionFailure, "fenceproxy could not connect to the server: %v", err)
+	}
+	sess.mu.Lock()
+	sess.server = up
+	sess.mu.Unlock()
+	if dl, ok := ctx.Deadline(); ok {
+		up.SetDeadline(dl) //nolint:errcheck
+	}
+	sess.cr = wire.NewReader(br, bufSize, s.cfg.MaxMessageSize)
+	sess.cw = bufio.NewWriterSize(sess.client, bufSize)
+	sess.sr = wire.NewReader(up, bufSize, s.cfg.MaxMessageSize)
+	sess.sw = bufio.NewWriterSize(up, bufSize)
+	if _, err := up.Write(st.Encode(nil)); err != nil {
+		return fatalf(wire.CodeConnectionFailure, "fenceproxy lost the server during startup: %v", err)
+	}
+	return sess.relayAuth(ctx)
+}
+
+// classify reads the fence parameters (removing them from the startup
+// message) and decides the session's mode.
+func (sess *session) classify(ctx context.Context, st *wire.Startup) error {
+	s := sess.srv
+	cred, err := fence.FromStartup(st, s.cfg.names)
+	if err != nil {
+		var fe *fence.Error
+		if errors.As(err, &fe) {
+			return fatalFence(fe)
+		}
+		return fatalf(fence.CodeMalformed, "%v", err)
+	}
+	sess.cred = cred
+	if !cred.Present {
+		switch s.cfg.Unfenced {
+		case UnfencedAllow:
+			sess.mode = modePassthrough
+		case UnfencedReadOnly:
+			sess.mode = modeReadOnly
+			sess.checkSQL = fence.CheckReadOnlySQL()
+			// The early, friendly refusal ("cannot execute INSERT in a
+			// read-only transaction"). The client can SET it off; the
+			// injected fence.check_readonly is what it cannot switch off.
+			st.SetParam("default_transaction_read_only", "on")
+		default:
+			return fatalFence(fence.Missing("this proxy requires a fencing token for every session (--unfenced=reject)"))
+		}
+		return nil
+	}
+	sess.mode = modeFenced
+	sess.checkSQL, err = fence.CheckSQL(cred.Resource, cred.Token)
+	if err != nil {
+		return fatalf(fence.CodeMalformed, "%v", err)
+	}
+	sess.log = sess.log.With(zap.String("resource", cred.Resource), zap.Int64("token", cred.Token))
+	if h := s.reg.Highest(cred.Resource); h > cred.Token {
+		return fatalFence(fence.Stale(cred.Resource, cred.Token, h))
+	}
+	if s.admit != nil {
+		if err := s.admit.Admit(ctx, cred); err != nil {
+			var fe *fence.Error
+			if errors.As(err, &fe) {
+				return fatalFence(fe)
+			}
+			return fatalFence(fence.Unavailable(cred.Resource, err.Error()))
+		}
+	}
+	return nil
+}
+
+// relayAuth relays the authentication exchange unchanged until the server's
+// first ReadyForQuery, which it holds back until the token is raised.
+func (sess *session) relayAuth(ctx context.Context) error {
+	for {
+		typ, _, err := sess.sr.Next()
+		if err != nil {
+			return fatalf(wire.CodeConnectionFailure, "fenceproxy lost the server during authentication: %v", err)
+		}
+		body, err := sess.sr.Body()
+		if err != nil {
+			return fatalf(wire.CodeConnectionFailure, "fenceproxy lost the server during authentication: %v", err)
+		}
+		switch typ {
+		case 'R':
+			if len(body) < 4 {
+				return fatalf(wire.CodeProtocolViolation, "malformed authentication request from the server")
+			}
+			if err := sess.toClient(typ, body, true); err != nil {
+				return err
+			}
+			switch binary.BigEndian.Uint32(body) {
+			case 0, 12: // AuthenticationOk, SASLFinal: no answer
+			case 2, 6: // Kerberos V5, SCM credentials: unsupported by PostgreSQL 9.1+
+				return fatalf(wire.CodeProtocolViolation, "unsupported authentication method requested by the server")
+			default: // cleartext, MD5, GSS, SSPI, SASL, SASLContinue: the client answers
+				if err := sess.relayAuthAnswer(); err != nil {
+					return err
+				}
+			}
+		case 'E':
+			// Authentication failed or the server refused us: relay as is.
+			sess.toClient(typ, body, true) //nolint:errcheck
+			return errors.New("server refused the session")
+		case 'K':
+			if len(body) < 8 {
+				return fatalf(wire.CodeProtocolViolation, "malformed BackendKeyData from the server")
+			}
+			sess.pid = binary.BigEndian.Uint32(body)
+			sess.key = append([]byte(nil), body[4:]...)
+			if err := sess.toClient(typ, body, false); err != nil {
+				return err
+			}
+		case 'S':
+			sess.noteParameter(body)
+			if err := sess.toClient(typ, body, false); err != nil {
+				return err
+			}
+		case 'Z':
+			if len(body) != 1 {
+				return fatalf(wire.CodeProtocolViolation, "malformed ReadyForQuery from the server")
+			}
+			if err := sess.afterLogin(ctx); err != nil {
+				return err
+			}
+			sess.status = body[0]
+			return sess.toClient(typ, body, true)
+		default: // NegotiateProtocolVersion, NoticeResponse, ...
+			if err := sess.toClient(typ, body, false); err != nil {
+				return err
+			}
+		}
+	}
+}
+
+func (sess *session) relayAuthAnswer() error {
+	typ, _, err := sess.cr.Next()
+	if err != nil {
+		return err
+	}
+	if typ != 'p' {
+		return fatalf(wire.CodeProtocolViolation, "expected an authentication answer, got message type %q", typ)
+	}
+	body, err := sess.cr.Body()
+	if err != nil {
+		return err
+	}
+	if err := wire.WriteMessage(sess.sw, typ, body); err != nil {
+		return err
+	}
+	return sess.sw.Flush()
+}
+
+func (sess *session) toClient(typ byte, body []byte, flush bool) error {
+	if err := wire.WriteMessage(sess.cw, typ, body); err != nil {
+		return err
+	}
+	if flush {
+		return sess.cw.Flush()
+	}
+	return nil
+}
+
+// noteParameter tracks the two settings that decide how SQL text lexes:
+// the proxy's parser reads strings as with standard_conforming_strings=on
+// and an ASCII-safe client_encoding, so fenced sessions are refused SQL
+// while either is otherwise (see internal/sqltx's doc).
+func (sess *session) noteParameter(body []byte) {
+	name, rest, err := wire.CString(body)
+	if err != nil {
+		return
+	}
+	val, _, _ := wire.CString(rest)
+	switch name {
+	case "standard_conforming_strings":
+		sess.mu.Lock()
+		sess.stdStrings = val == "on"
+		sess.mu.Unlock()
+	case "client_encoding":
+		sess.mu.Lock()
+		sess.encodingUnsafe = !sqltx.ClientEncodingSafe(val)
+		sess.encoding = val
+		sess.mu.Unlock()
+	}
+}
+
+// afterLogin raises a fenced session's token in its own transaction on the
+// session's own connection (with the client's credentials) before the
+// client sees ReadyForQuery, and refuses the session if a higher token is
+// already stored.
+func (sess *session) afterLogin(ctx context.Context) error {
+	if sess.mode != modeFenced {
+		return nil
+	}
+	c := sess.cred
+	q, err := fence.RaiseSQL(c.Resource, c.Token)
+	if err != nil {
+		return fatalf(fence.CodeMalformed, "%v", err)
+	}
+	if err := wire.WriteMessage(sess.sw, 'Q', append([]byte(q), 0)); err != nil {
+		return err
+	}
+	if err := sess.sw.Flush(); err != nil {
+		return err
+	}
+	var stored int64 = -1
+	var serverErr *pgproto3.ErrorResponse
+	for {
+		typ, _, err := sess.sr.Next()
+		if err != nil {
+			return fatalf(wire.CodeConnectionFailure, "fenceproxy lost the server while raising the token: %v", err)
+		}
+		body, err := sess.sr.Body()
+		if err != nil {
+			return err
+		}
+		switch typ {
+		case 'D':
+			// One column, text format.
+			if len(body) >= 6 && binary.BigEndian.Uint16(body) == 1 {
+				n := int32(binary.BigEndian.Uint32(body[2:]))
+				if n > 0 && int(n) <= len(body)-6 {
+					stored, _ = strconv.ParseInt(string(body[6:6+n]), 10, 64)
+				}
+			}
+		case 'E':
+			serverErr, _ = wire.DecodeError(body)
+		case 'S':
+			sess.noteParameter(body)
+			if err := sess.toClient(typ, body, false); err != nil {
+				return err
+			}
+		case 'N', 'A':
+			// Notices of our own statement are not the client's business.
+		case 'Z':
+			if serverErr != nil {
+				if serverErr.Code[:2] == "ZF" {
+					return &fatal{resp: &pgproto3.ErrorResponse{Severity: wire.SeverityFatal, Code: serverErr.Code,
+						Message: serverErr.Message, Detail: serverErr.Detail, Hint: serverErr.Hint}}
+				}
+				return fatalf(fence.CodeUnavailable, "fenceproxy could not raise fencing token %d for resource %q: %s (SQLSTATE %s); is the fence schema installed in this database (fenceproxy migrate) and may this role execute fence.raise?",
+					c.Token, c.Resource, serverErr.Message, serverErr.Code)
+			}
+			if stored < 0 {
+				return fatalf(fence.CodeUnavailable, "fenceproxy could not read the stored token for resource %q", c.Resource)
+			}
+			sess.srv.reg.Observe(c.Resource, stored)
+			if stored > c.Token {
+				return fatalFence(fence.Stale(c.Resource, c.Token, stored))
+			}
+			sess.sub = sess.srv.reg.Subscribe(c.Resource, c.Token, sess.onStale)
+			return nil
+		}
+	}
+}
+
+// onStale runs when the registry learns of a higher token. It must not block.
+func (sess *session) onStale(admitted int64) {
+	sess.admitted.Store(admitted)
+	sess.stale.Store(true)
+	sess.mu.Lock()
+	busy := sess.outstanding > 0 || len(sess.queue) > 0
+	sess.mu.Unlock()
+	sess.log.Info("session went stale", zap.Int64("admitted", admitted), zap.Bool("in_flight", busy))
+	if busy {
+		go sess.cancelInFlight()
+	}
+}
+
+// cancelInFlight asks the server to cancel the session's running query.
+func (sess *session) cancelInFlight() {
+	if !sess.cancelSent.CompareAndSwap(false, true) {
+		return
+	}
+	sess.srv.metrics.cancel()
+	ctx, cancel := context.WithTimeout(context.Background(), sess.srv.cfg.ConnectTimeout)
+	defer cancel()
+	req := &wire.Startup{Kind: wire.KindCancelRequest, ProcessID: sess.pid, SecretKey: sess.key}
+	if err := sess.srv.forwardCancel(ctx, req); err != nil {
+		sess.log.Warn("could not cancel the stale session's query", zap.Error(err))
+	}
+}
+
+// shutdownWhenIdle closes the session now if it is idle between
+// transactions, or at its next idle point.
+func (sess *session) shutdownWhenIdle() {
+	sess.shuttingDown.Store(true)
+	sess.mu.Lock()
+	idle := sess.outstanding == 0 && len(sess.queue) == 0 && sess.status == 'I'
+	sess.mu.Unlock()
+	if idle {
+		sess.closeForShutdown()
+	}
+}
+
+func (sess *session) closeForShutdown() {
+	sess.cwMu.Lock()
+	if sess.cw != nil {
+		resp := &pgproto3.ErrorResponse{Severity: wire.SeverityFatal, Code: wire.CodeAdminShutdown,
+			Message: "terminating connection because fenceproxy is shutting down"}
+		sess.client.SetWriteDeadline(time.Now().Add(time.Second))        //nolint:errcheck
+		wire.WriteMessage(sess.cw, 'E', wire.AppendError(nil, resp)[5:]) //nolint:errcheck
+		sess.cw.Flush()                                                  //nolint:errcheck
+	}
+	sess.cwMu.Unlock()
+	sess.client.Close()
+	if sc := sess.serverConn(); sc != nil {
+		sc.Close()
+	}
+}

@@ -1,0 +1,123 @@
+package testenv
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/url"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest"
+
+	"github.com/fenceproxy/fenceproxy/internal/fence"
+	"github.com/fenceproxy/fenceproxy/internal/proxy"
+)
+
+// Proxy is an in-process fenceproxy in front of a test cluster.
+type Proxy struct {
+	Host     string
+	Port     int
+	Server   *proxy.Server
+	Registry *fence.Registry
+	Metrics  *proxy.Metrics
+
+	cancel context.CancelFunc
+	done   chan error
+}
+
+// ProxyOptions tune StartProxy.
+type ProxyOptions struct {
+	// Admitter validates tokens (nil: none).
+	Admitter proxy.Admitter
+	// Registry to share with other proxies' watchers (nil: a new one).
+	Registry *fence.Registry
+	// Logger (nil: the test's log, warnings and above).
+	Logger *zap.Logger
+}
+
+// StartProxy starts a proxy listening on a free loopback port in front of
+// pg, with cfg (Upstream and Listen are filled in when empty). It stops
+// when the test ends.
+func StartProxy(tb testing.TB, pg *Postgres, cfg proxy.Config, opts ...ProxyOptions) *Proxy {
+	tb.Helper()
+	var o ProxyOptions
+	if len(opts) > 0 {
+		o = opts[0]
+	}
+	if cfg.Upstream == "" {
+		cfg.Upstream = fmt.Sprintf("postgres://%s", net.JoinHostPort(pg.Host, strconv.Itoa(pg.Port)))
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		tb.Fatalf("testenv: proxy listen: %v", err)
+	}
+	cfg.Listen = ln.Addr().String()
+	if o.Logger == nil {
+		o.Logger = zaptest.NewLogger(tb, zaptest.Level(zap.WarnLevel))
+	}
+	if o.Registry == nil {
+		o.Registry = fence.NewRegistry()
+	}
+	m := proxy.NewMetrics(nil)
+	srv, err := proxy.New(cfg, proxy.Options{Logger: o.Logger, Registry: o.Registry, Admitter: o.Admitter, Metrics: m})
+	if err != nil {
+		ln.Close()
+		tb.Fatalf("testenv: proxy config: %v", err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	p := &Proxy{Host: "127.0.0.1", Port: ln.Addr().(*net.TCPAddr).Port, Server: srv, Registry: o.Registry, Metrics: m, cancel: cancel, done: make(chan error, 1)}
+	go func() { p.done <- srv.Serve(ctx, ln) }()
+	tb.Cleanup(func() { p.Stop(tb) })
+	return p
+}
+
+// Stop shuts the proxy down (idempotent) and waits for it.
+func (p *Proxy) Stop(tb testing.TB) {
+	tb.Helper()
+	if p.cancel == nil {
+		return
+	}
+	p.cancel()
+	p.cancel = nil
+	select {
+	case err := <-p.done:
+		if err != nil {
+			tb.Errorf("testenv: proxy: %v", err)
+		}
+	case <-time.After(60 * time.Second):
+		tb.Errorf("testenv: proxy did not stop within 60 s")
+	}
+}
+
+// URL is a connection URL through the proxy (sslmode=disable unless params
+// say otherwise; params are "key=value", e.g. "fence.token=3").
+func (p *Proxy) URL(user, db string, params ...string) string {
+	return p.url(url.User(user), db, params)
+}
+
+// URLWithPassword is URL with a password.
+func (p *Proxy) URLWithPassword(user, password, db string, params ...string) string {
+	return p.url(url.UserPassword(user, password), db, params)
+}
+
+func (p *Proxy) url(user *url.Userinfo, db string, params []string) string {
+	q := url.Values{}
+	for _, kv := range params {
+		k, v, _ := strings.Cut(kv, "=")
+		q.Set(k, v)
+	}
+	if !q.Has("sslmode") {
+		q.Set("sslmode", "disable")
+	}
+	u := url.URL{Scheme: "postgres", User: user, Host: net.JoinHostPort(p.Host, strconv.Itoa(p.Port)), Path: "/" + db, RawQuery: q.Encode()}
+	return u.String()
+}
+
+// FenceURL is URL with the fence parameters for resource and token.
+func (p *Proxy) FenceURL(user, db, resource string, token int64, params ...string) string {
+	return p.URL(user, db, append(params, "fence.resource="+resource, "fence.token="+strconv.FormatInt(token, 10))...)
+}

@@ -1,0 +1,54 @@
+package wire
+
+import (
+	"github.com/jackc/pgx/v5/pgproto3"
+)
+
+// Severities of ErrorResponse.
+const (
+	SeverityError = "ERROR"
+	SeverityFatal = "FATAL"
+)
+
+// Standard SQLSTATEs the proxy itself reports.
+const (
+	CodeProtocolViolation      = "08P01"
+	CodeConnectionFailure      = "08006"
+	CodeCannotConnectNow       = "57P03"
+	CodeTooManyConnections     = "53300"
+	CodeProgramLimitExceeded   = "54000"
+	CodeAdminShutdown          = "57P01"
+	CodeInvalidAuthorization   = "28000"
+	CodeSyntaxError            = "42601"
+	CodeQueryCanceled          = "57014"
+	CodeSerializationFailure   = "40001"
+	CodeInFailedSQLTransaction = "25P02"
+	CodeReadOnlyTransaction    = "25006"
+)
+
+// AppendError appends an ErrorResponse message to dst.
+func AppendError(dst []byte, e *pgproto3.ErrorResponse) []byte {
+	if e.SeverityUnlocalized == "" {
+		e.SeverityUnlocalized = e.Severity
+	}
+	out, err := e.Encode(dst)
+	if err != nil {
+		// Encode fails only for messages over 4 GB, which the proxy never builds.
+		panic(err)
+	}
+	return out
+}
+
+// AppendReadyForQuery appends a ReadyForQuery message with the given status.
+func AppendReadyForQuery(dst []byte, status byte) []byte {
+	return AppendMessage(dst, 'Z', []byte{status})
+}
+
+// DecodeError decodes an ErrorResponse or NoticeResponse body.
+func DecodeError(body []byte) (*pgproto3.ErrorResponse, error) {
+	var e pgproto3.ErrorResponse
+	if err := e.Decode(body); err != nil {
+		return nil, err
+	}
+	return &e, nil
+}

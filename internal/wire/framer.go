@@ -1,0 +1,193 @@
+package wire
+
+import (
+	"bufio"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+)
+
+// DefaultMaxMessageSize is the largest message the proxy accepts by default:
+// PostgreSQL's own limit for a single field is 1 GB, so real rows fit.
+const DefaultMaxMessageSize = 1 << 30
+
+// ErrMessageTooLarge is wrapped by the error for a message above the limit.
+var ErrMessageTooLarge = errors.New("message too large")
+
+// ErrMalformed is wrapped by errors about a message whose length field is
+// impossible.
+var ErrMalformed = errors.New("malformed message")
+
+// Reader frames typed messages (1 type byte, 4 length bytes, body). It reads
+// the header first so that the caller can decide whether to buffer the body
+// (Body) or stream it (CopyBody, Discard) without holding it in memory.
+type Reader struct {
+	br      *bufio.Reader
+	max     int
+	buf     []byte
+	typ     byte
+	n       int // body length of the current message
+	pending int // body bytes not yet consumed
+}
+
+// NewReader returns a Reader reading from r with a buffer of bufSize bytes
+// that refuses messages whose body exceeds max bytes (max <= 0: DefaultMaxMessageSize).
+func NewReader(r io.Reader, bufSize, max int) *Reader {
+	if max <= 0 {
+		max = DefaultMaxMessageSize
+	}
+	return &Reader{br: bufio.NewReaderSize(r, bufSize), max: max}
+}
+
+// Next discards what is left of the current message and reads the next header.
+// It returns the message type and its body length.
+func (r *Reader) Next() (typ byte, n int, err error) {
+	if r.pending > 0 {
+		if _, err := r.br.Discard(r.pending); err != nil {
+			return 0, 0, err
+		}
+		r.pending = 0
+	}
+	hdr, err := r.br.Peek(5)
+	if err != nil {
+		if len(hdr) > 0 && errors.Is(err, io.EOF) {
+			err = io.ErrUnexpectedEOF
+		}
+		return 0, 0, err
+	}
+	typ = hdr[0]
+	l := binary.BigEndian.Uint32(hdr[1:])
+	if _, err := r.br.Discard(5); err != nil {
+		return 0, 0, err
+	}
+	if l < 4 {
+		return 0, 0, fmt.Errorf("%w: type %q with length %d", ErrMalformed, typ, l)
+	}
+	if int64(l)-4 > int64(r.max) {
+		return 0, 0, fmt.Errorf("%w: type %q of %d bytes exceeds the limit of %d bytes", ErrMessageTooLarge, typ, int64(l)-4, r.max)
+	}
+	r.typ, r.n, r.pending = typ, int(l)-4, int(l)-4
+	return typ, r.n, nil
+}
+
+// Body reads the rest of the current message's body. The slice is valid only
+// until the next call on r.
+func (r *Reader) Body() ([]byte, error) {
+	if r.pending != r.n {
+		return nil, errors.New("wire: Body after partial read")
+	}
+	if cap(r.buf) < r.n {
+		r.buf = make([]byte, r.n)
+	}
+	b := r.buf[:r.n]
+	if _, err := io.ReadFull(r.br, b); err != nil {
+		return nil, unexpected(err)
+	}
+	r.pending = 0
+	// Do not pin huge buffers for the life of a session.
+	if cap(r.buf) > 1<<20 {
+		r.buf = nil
+	}
+	return b, nil
+}
+
+// Peek returns up to n bytes of the current body without consuming them,
+// limited by the reader's buffer size.
+func (r *Reader) Peek(n int) ([]byte, error) {
+	if n > r.pending {
+		n = r.pending
+	}
+	if n > r.br.Size() {
+		n = r.br.Size()
+	}
+	b, err := r.br.Peek(n)
+	return b, unexpected(err)
+}
+
+// CopyBody writes the current message (header included) to w, streaming
+// the body.
+func (r *Reader) CopyBody(w *bufio.Writer) error {
+	if err := WriteHeader(w, r.typ, r.n); err != nil {
+		return err
+	}
+	for r.pending > 0 {
+		chunk := r.pending
+		if b := r.br.Buffered(); b > 0 && b < chunk {
+			chunk = b
+		}
+		if chunk > r.br.Size() {
+			chunk = r.br.Size()
+		}
+		b, err := r.br.Peek(chunk)
+		if err != nil {
+			return unexpected(err)
+		}
+		if _, err := w.Write(b); err != nil {
+			return err
+		}
+		r.br.Discard(len(b)) //nolint:errcheck // Peek succeeded, so Discard cannot fail
+		r.pending -= len(b)
+	}
+	return nil
+}
+
+// Discard skips the rest of the current body.
+func (r *Reader) Discard() error {
+	if r.pending == 0 {
+		return nil
+	}
+	_, err := r.br.Discard(r.pending)
+	r.pending = 0
+	return unexpected(err)
+}
+
+// Buffered reports how many bytes can be read without blocking. The proxy
+// flushes its writer before it blocks on a read.
+func (r *Reader) Buffered() int { return r.br.Buffered() }
+
+// Type and Len describe the current message.
+func (r *Reader) Type() byte { return r.typ }
+func (r *Reader) Len() int   { return r.n }
+
+func unexpected(err error) error {
+	if errors.Is(err, io.EOF) {
+		return io.ErrUnexpectedEOF
+	}
+	return err
+}
+
+// WriteHeader writes a message header for a body of n bytes.
+func WriteHeader(w *bufio.Writer, typ byte, n int) error {
+	var hdr [5]byte
+	hdr[0] = typ
+	binary.BigEndian.PutUint32(hdr[1:], uint32(n+4))
+	_, err := w.Write(hdr[:])
+	return err
+}
+
+// WriteMessage writes a whole message.
+func WriteMessage(w *bufio.Writer, typ byte, body []byte) error {
+	if err := WriteHeader(w, typ, len(body)); err != nil {
+		return err
+	}
+	_, err := w.Write(body)
+	return err
+}
+
+// AppendMessage appends a whole message to dst.
+func AppendMessage(dst []byte, typ byte, body []byte) []byte {
+	dst = append(dst, typ)
+	dst = binary.BigEndian.AppendUint32(dst, uint32(len(body)+4))
+	return append(dst, body...)
+}
+
+// CString reads a NUL-terminated string at the start of b and returns it and
+// the bytes after it.
+func CString(b []byte) (s string, rest []byte, err error) {
+	before, after, ok := cutNul(b)
+	if !ok {
+		return "", nil, fmt.Errorf("%w: string without terminator", ErrMalformed)
+	}
+	return string(before), after, nil
+}
