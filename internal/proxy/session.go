@@ -53,12 +53,12 @@ type session struct {
 	shuttingDown atomic.Bool
 
 	// Shared between the two relay directions, guarded by mu.
-	mu          sync.Mutex
-	cond        *sync.Cond
-	status      byte // from the last ReadyForQuery relayed
-	outstanding int  // units (Sync, Query, FunctionCall) forwarded but not answered
-	closed      bool
-	queue       []*entry
+	mu             sync.Mutex
+	cond           *sync.Cond
+	status         byte // from the last ReadyForQuery relayed
+	outstanding    int  // units (Sync, Query, FunctionCall) forwarded but not answered
+	closed         bool
+	queue          []*entry
 	stdStrings     bool   // standard_conforming_strings as last reported
 	encodingUnsafe bool   // client_encoding may hide a backslash in a multibyte character
 	encoding       string // client_encoding as last reported

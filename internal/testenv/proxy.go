@@ -6,7 +6,6 @@ import (
 	"net"
 	"net/url"
 	"strconv"
-	"strings"
 	"testing"
 	"time"
 
@@ -105,16 +104,7 @@ func (p *Proxy) URLWithPassword(user, password, db string, params ...string) str
 }
 
 func (p *Proxy) url(user *url.Userinfo, db string, params []string) string {
-	q := url.Values{}
-	for _, kv := range params {
-		k, v, _ := strings.Cut(kv, "=")
-		q.Set(k, v)
-	}
-	if !q.Has("sslmode") {
-		q.Set("sslmode", "disable")
-	}
-	u := url.URL{Scheme: "postgres", User: user, Host: net.JoinHostPort(p.Host, strconv.Itoa(p.Port)), Path: "/" + db, RawQuery: q.Encode()}
-	return u.String()
+	return connURL(p.Host, p.Port, user, db, params)
 }
 
 // FenceURL is URL with the fence parameters for resource and token.
