@@ -3,6 +3,7 @@ package proxy_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -119,3 +120,5 @@ func fencedProxy(t *testing.T, pg *testenv.Postgres, mod ...func(*proxy.Config))
 	}
 	return testenv.StartProxy(t, pg, cfg)
 }
+
+func strconvItoa(i int) string { return fmt.Sprint(i) }
