@@ -27,7 +27,15 @@ func (s *ServeCmd) Run(ctx context.Context, log *zap.Logger) error {
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	metrics := proxy.NewMetrics(reg)
 	registry := fence.NewRegistry()
-	srv, err := proxy.New(s.Config, proxy.Options{Logger: log, Metrics: metrics, Registry: registry})
+	guard, err := proxy.NewGuard(ctx, s.Config, proxy.GuardOptions{Logger: log, Registry: registry, Registerer: reg})
+	if err != nil {
+		return err
+	}
+	opts := proxy.Options{Logger: log, Metrics: metrics, Registry: registry}
+	if guard != nil {
+		opts.Admitter = guard
+	}
+	srv, err := proxy.New(s.Config, opts)
 	if err != nil {
 		return err
 	}
@@ -53,6 +61,9 @@ func (s *ServeCmd) Run(ctx context.Context, log *zap.Logger) error {
 		go fence.Listen(bg, s.ControlDatabase, registry, log, nil) //nolint:errcheck // returns only when bg ends
 	} else if len(s.Resources) > 0 {
 		log.Warn("no --control-database: raises made through other proxy instances are learned only by the database check at commit")
+	}
+	if guard != nil {
+		go guard.Run(bg) //nolint:errcheck // returns only when bg ends
 	}
 	err = srv.Serve(ctx, ln)
 	log.Info("fenceproxy stopped")

@@ -15,7 +15,18 @@ type Registry struct {
 
 type entry struct {
 	highest int64
+	blocked *Error // non-nil: every session of the resource is refused with it
 	subs    map[*Subscription]struct{}
+}
+
+// Handler receives a session's notifications. Its functions must not block.
+type Handler struct {
+	// Stale is called at most once, when a token higher than the session's
+	// is admitted.
+	Stale func(admitted int64)
+	// Blocked is called when the resource is blocked (err) or unblocked (nil):
+	// the lock is held by nobody, or its LockIndex went backwards.
+	Blocked func(err *Error)
 }
 
 // Subscription is one session's interest in a resource.
@@ -23,7 +34,7 @@ type Subscription struct {
 	r        *Registry
 	resource string
 	token    int64
-	onStale  func(admitted int64)
+	h        Handler
 	fired    bool
 }
 
@@ -60,8 +71,42 @@ func (r *Registry) Observe(resource string, token int64) {
 	}
 	r.mu.Unlock()
 	for _, s := range fire {
-		s.onStale(token)
+		if s.h.Stale != nil {
+			s.h.Stale(token)
+		}
 	}
+}
+
+// Block refuses every session of resource with err until Block(resource,
+// nil). Sessions are told at once.
+func (r *Registry) Block(resource string, err *Error) {
+	r.mu.Lock()
+	e := r.get(resource)
+	if e.blocked == err {
+		r.mu.Unlock()
+		return
+	}
+	e.blocked = err
+	subs := make([]*Subscription, 0, len(e.subs))
+	for s := range e.subs {
+		subs = append(subs, s)
+	}
+	r.mu.Unlock()
+	for _, s := range subs {
+		if s.h.Blocked != nil {
+			s.h.Blocked(err)
+		}
+	}
+}
+
+// Blocked returns the error resource is blocked with, or nil.
+func (r *Registry) Blocked(resource string) *Error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if e := r.res[resource]; e != nil {
+		return e.blocked
+	}
+	return nil
 }
 
 // Reset forgets what is known about resource and sets it to token, even if
@@ -83,12 +128,10 @@ func (r *Registry) Highest(resource string) int64 {
 	return 0
 }
 
-// Subscribe registers a session holding token for resource. onStale is
-// called at most once, from the goroutine that observed a higher token,
-// and must not block. If the token is already stale, onStale runs before
-// Subscribe returns.
-func (r *Registry) Subscribe(resource string, token int64, onStale func(admitted int64)) *Subscription {
-	s := &Subscription{r: r, resource: resource, token: token, onStale: onStale}
+// Subscribe registers a session holding token for resource. If the token is
+// already stale, or the resource blocked, h is called before Subscribe returns.
+func (r *Registry) Subscribe(resource string, token int64, h Handler) *Subscription {
+	s := &Subscription{r: r, resource: resource, token: token, h: h}
 	r.mu.Lock()
 	e := r.get(resource)
 	e.subs[s] = struct{}{}
@@ -96,10 +139,13 @@ func (r *Registry) Subscribe(resource string, token int64, onStale func(admitted
 	if stale {
 		s.fired = true
 	}
-	highest := e.highest
+	highest, blocked := e.highest, e.blocked
 	r.mu.Unlock()
-	if stale {
-		onStale(highest)
+	if stale && h.Stale != nil {
+		h.Stale(highest)
+	}
+	if blocked != nil && h.Blocked != nil {
+		h.Blocked(blocked)
 	}
 	return s
 }

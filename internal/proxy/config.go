@@ -34,9 +34,9 @@ type Config struct {
 	// database come from each client's startup message, never from here.
 	Upstream string `help:"PostgreSQL server, postgres://HOST:PORT or postgres:///?host=/socket/dir&port=PORT (user and database come from each client)." required:""`
 	// UpstreamSSLMode is disable (default), require or verify-full.
-	UpstreamSSLMode string `help:"TLS to the server: disable, require, verify-full." default:"disable" enum:"disable,require,verify-full"`
+	UpstreamSSLMode string `help:"TLS to the server: disable, require, verify-full." name:"upstream-sslmode" default:"disable" enum:"disable,require,verify-full"`
 	// UpstreamSSLRootCert is the CA file for verify-full (nil: system roots).
-	UpstreamSSLRootCert string `help:"CA certificate file to verify the server with (verify-full)." type:"path"`
+	UpstreamSSLRootCert string `help:"CA certificate file to verify the server with (verify-full)." name:"upstream-sslrootcert" type:"path"`
 
 	// TLSCert and TLSKey enable TLS for clients (SSLRequest answered 'S').
 	TLSCert string `help:"Certificate file for client TLS; without it SSLRequest is answered 'N'." type:"path"`
@@ -54,8 +54,9 @@ type Config struct {
 	// ShutdownGrace is how long sessions may finish after SIGTERM (0: 30 s).
 	ShutdownGrace time.Duration `help:"How long sessions may finish after SIGTERM before they are closed." default:"30s"`
 
-	// Resources are the fenced resources, NAME or NAME=CONSUL_KEY.
-	Resources []string `help:"Fenced resource, NAME or NAME=CONSUL_KEY (repeatable)." name:"resource" sep:"none"`
+	// Resources are the fenced resources, NAME or NAME=CONSUL_KEY. In an
+	// environment variable, separate them with commas.
+	Resources []string `help:"Fenced resource, NAME or NAME=CONSUL_KEY (repeatable)." name:"resource" sep:","`
 	// Unfenced is the policy for sessions without fence parameters:
 	// reject (default), readonly or allow.
 	Unfenced string `help:"Sessions without a token: reject, readonly (enforced by PostgreSQL) or allow." default:"reject" enum:"reject,readonly,allow"`

@@ -1,6 +1,7 @@
 package proxy_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -122,3 +123,5 @@ func fencedProxy(t *testing.T, pg *testenv.Postgres, mod ...func(*proxy.Config))
 }
 
 func strconvItoa(i int) string { return fmt.Sprint(i) }
+
+func bytesReader(b []byte) *bytes.Reader { return bytes.NewReader(b) }

@@ -808,8 +808,8 @@ func (sess *session) onExecute(c *cstate) error {
 	// A stale session's statements are refused before they run, except those
 	// that end its transaction: commit points go through the check, which
 	// fails against the database and leaves the session idle (obligation 4).
-	if sess.mode == modeFenced && sess.stale.Load() && !harmless(kind) && !kind.CommitPoint() {
-		return sess.refuse(c, sess.staleError())
+	if fe := sess.refusal(); fe != nil && !harmless(kind) && !kind.CommitPoint() {
+		return sess.refuse(c, fe)
 	}
 	switch {
 	case kind.CommitPoint():
@@ -989,8 +989,8 @@ func (sess *session) onQuery(c *cstate) error {
 	if err := sess.lexUnsafe(plan.Kinds...); err != nil {
 		return sess.refuseQuery(c, sess.parseRefusal(err))
 	}
-	if sess.mode == modeFenced && sess.stale.Load() && plan.Checks == finalChecks(plan) && !harmlessQuery(sql) {
-		return sess.refuseQuery(c, sess.staleError())
+	if fe := sess.refusal(); fe != nil && plan.Checks == finalChecks(plan) && !harmlessQuery(sql) {
+		return sess.refuseQuery(c, fe)
 	}
 	if plan.Checks > finalChecks(plan) {
 		c.unit.rollbackOnFail = true
@@ -1066,11 +1066,10 @@ func (sess *session) onFunctionCall(c *cstate) error {
 			return err
 		}
 	}
-	if c.current() == 'I' || (sess.mode == modeFenced && sess.stale.Load()) {
-		fe := fence.NotAllowed("fast-path function call outside a transaction block",
-			"a function call outside a block commits without the fencing check; call it inside BEGIN ... COMMIT")
-		if sess.stale.Load() {
-			fe = sess.staleError()
+	if fe := sess.refusal(); c.current() == 'I' || fe != nil {
+		if fe == nil {
+			fe = fence.NotAllowed("fast-path function call outside a transaction block",
+				"a function call outside a block commits without the fencing check; call it inside BEGIN ... COMMIT")
 		}
 		return sess.refuseQuery(c, fe)
 	}

@@ -47,10 +47,14 @@ type session struct {
 
 	// stale is set when a higher token was admitted for the session's
 	// resource; admitted is that token.
-	stale        atomic.Bool
-	admitted     atomic.Int64
-	cancelSent   atomic.Bool
-	shuttingDown atomic.Bool
+	stale         atomic.Bool
+	admitted      atomic.Int64
+	blocked       atomic.Pointer[fence.Error] // resource blocked: lock free, or LockIndex regression
+	closeOnStale  bool                        // close the session at its next idle point once stale
+	consulChecked bool                        // the token was validated against Consul
+	cancelSent    atomic.Bool
+	shuttingDown  atomic.Bool
+	closeReason   atomic.Pointer[fence.Error]
 
 	// Shared between the two relay directions, guarded by mu.
 	mu             sync.Mutex
@@ -286,6 +290,12 @@ func (sess *session) classify(ctx context.Context, st *wire.Startup) error {
 	if h := s.reg.Highest(cred.Resource); h > cred.Token {
 		return fatalFence(fence.Stale(cred.Resource, cred.Token, h))
 	}
+	if v, ok := s.admit.(interface{ Validates(string) bool }); ok && v.Validates(cred.Resource) {
+		// Consul says who holds the lock: when it hands the lock to a newer
+		// holder, this session is closed at its next idle point.
+		sess.consulChecked = true
+		sess.closeOnStale = true
+	}
 	if s.admit != nil {
 		if err := s.admit.Admit(ctx, cred); err != nil {
 			var fe *fence.Error
@@ -473,11 +483,20 @@ func (sess *session) afterLogin(ctx context.Context) error {
 			if stored < 0 {
 				return fatalf(fence.CodeUnavailable, "fenceproxy could not read the stored token for resource %q", c.Resource)
 			}
+			if stored > c.Token && sess.consulChecked {
+				// Consul just said this token is the current LockIndex, yet the
+				// database admitted a higher one: Consul's numbers went backwards
+				// (key re-created, plain PUT, snapshot restore). Fail closed and say so.
+				fe := fence.Unavailable(c.Resource, fmt.Sprintf("LockIndex regression: Consul's current LockIndex is %d but the database already admitted token %d", c.Token, stored))
+				fe.Hint = "An operator must reset the resource: `fenceproxy fence reset --resource " + c.Resource + " --token <current LockIndex>` (README: LockIndex regressions)."
+				sess.log.Error("failing closed: stored token above Consul's LockIndex", zap.Int64("stored", stored))
+				return fatalFence(fe)
+			}
 			sess.srv.reg.Observe(c.Resource, stored)
 			if stored > c.Token {
 				return fatalFence(fence.Stale(c.Resource, c.Token, stored))
 			}
-			sess.sub = sess.srv.reg.Subscribe(c.Resource, c.Token, sess.onStale)
+			sess.sub = sess.srv.reg.Subscribe(c.Resource, c.Token, fence.Handler{Stale: sess.onStale, Blocked: sess.onBlocked})
 			return nil
 		}
 	}
@@ -494,6 +513,31 @@ func (sess *session) onStale(admitted int64) {
 	if busy {
 		go sess.cancelInFlight()
 	}
+	if sess.closeOnStale {
+		// A new holder exists: close the old one's session as soon as it is
+		// idle (right away if it is), telling it why.
+		sess.closeWhenIdle(sess.staleError())
+	}
+}
+
+// onBlocked runs when the resource is blocked or unblocked.
+func (sess *session) onBlocked(err *fence.Error) {
+	sess.blocked.Store(err)
+	if err != nil {
+		sess.log.Info("session blocked", zap.String("reason", err.Message))
+	}
+}
+
+// refusal is the error a fenced session's statements are refused with
+// before they run, or nil.
+func (sess *session) refusal() *fence.Error {
+	if sess.mode != modeFenced {
+		return nil
+	}
+	if sess.stale.Load() {
+		return sess.staleError()
+	}
+	return sess.blocked.Load()
 }
 
 // cancelInFlight asks the server to cancel the session's running query.
@@ -513,6 +557,16 @@ func (sess *session) cancelInFlight() {
 // shutdownWhenIdle closes the session now if it is idle between
 // transactions, or at its next idle point.
 func (sess *session) shutdownWhenIdle() {
+	sess.closeWhenIdle(nil)
+}
+
+// closeWhenIdle closes the session with a FATAL error (nil: fenceproxy is
+// shutting down) now if it is idle between transactions, or at its next
+// idle point.
+func (sess *session) closeWhenIdle(why *fence.Error) {
+	if why != nil {
+		sess.closeReason.Store(why)
+	}
 	sess.shuttingDown.Store(true)
 	sess.mu.Lock()
 	idle := sess.outstanding == 0 && len(sess.queue) == 0 && sess.status == 'I'
@@ -523,17 +577,24 @@ func (sess *session) shutdownWhenIdle() {
 }
 
 func (sess *session) closeForShutdown() {
+	resp := &pgproto3.ErrorResponse{Severity: wire.SeverityFatal, Code: wire.CodeAdminShutdown,
+		Message: "terminating connection because fenceproxy is shutting down"}
+	if why := sess.closeReason.Load(); why != nil {
+		resp = why.Response(wire.SeverityFatal)
+	}
 	sess.cwMu.Lock()
 	if sess.cw != nil {
-		resp := &pgproto3.ErrorResponse{Severity: wire.SeverityFatal, Code: wire.CodeAdminShutdown,
-			Message: "terminating connection because fenceproxy is shutting down"}
 		sess.client.SetWriteDeadline(time.Now().Add(time.Second))        //nolint:errcheck
 		wire.WriteMessage(sess.cw, 'E', wire.AppendError(nil, resp)[5:]) //nolint:errcheck
 		sess.cw.Flush()                                                  //nolint:errcheck
 	}
 	sess.cwMu.Unlock()
-	sess.client.Close()
+	// Half-close first so that the client reads the FATAL before it sees the end.
+	if cw, ok := sess.client.(interface{ CloseWrite() error }); ok {
+		cw.CloseWrite() //nolint:errcheck
+	}
 	if sc := sess.serverConn(); sc != nil {
 		sc.Close()
 	}
+	sess.client.Close()
 }

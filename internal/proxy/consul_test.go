@@ -1,0 +1,345 @@
+package proxy_test
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/hashicorp/consul/api"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/fenceproxy/fenceproxy/internal/fence"
+	"github.com/fenceproxy/fenceproxy/internal/proxy"
+	"github.com/fenceproxy/fenceproxy/internal/testenv"
+)
+
+// consulLock acquires key with a fresh Consul session and returns the
+// session ID and the LockIndex it was granted (read back consistently).
+func consulLock(t *testing.T, c *api.Client, key string) (string, int64) {
+	t.Helper()
+	id, _, err := c.Session().Create(&api.SessionEntry{TTL: "60s", LockDelay: time.Millisecond, Behavior: api.SessionBehaviorRelease}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ok, _, err := c.KV().Acquire(&api.KVPair{Key: key, Session: id}, nil)
+	if err != nil || !ok {
+		t.Fatalf("acquire %s: %v %v", key, ok, err)
+	}
+	p, _, err := c.KV().Get(key, &api.QueryOptions{RequireConsistent: true})
+	if err != nil || p == nil || p.Session != id {
+		t.Fatalf("read back %s: %+v %v", key, p, err)
+	}
+	return id, int64(p.LockIndex)
+}
+
+type consulSetup struct {
+	pg     *testenv.Postgres
+	admin  querier
+	consul *testenv.Consul
+	client *api.Client
+	proxy  *testenv.Proxy
+	guard  *proxy.Guard
+	cancel context.CancelFunc
+}
+
+func startConsulProxy(t *testing.T, mod ...func(*proxy.Config)) *consulSetup {
+	t.Helper()
+	s := &consulSetup{}
+	s.pg, s.admin = fencedDB(t)
+	s.consul = testenv.StartConsul(t)
+	s.client = s.consul.Client(t)
+	cfg := proxy.Config{
+		Upstream:        fmt.Sprintf("postgres://%s:%d", s.pg.Host, s.pg.Port),
+		Resources:       []string{"billing=locks/billing"},
+		ConsulAddr:      s.consul.Addr,
+		ControlDatabase: s.pg.AdminURL(),
+	}
+	for _, m := range mod {
+		m(&cfg)
+	}
+	reg := fence.NewRegistry()
+	ctx, cancel := context.WithCancel(context.Background())
+	s.cancel = cancel
+	t.Cleanup(cancel)
+	g, err := proxy.NewGuard(ctx, cfg, proxy.GuardOptions{Registry: reg, Logger: zapNop()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.guard = g
+	done := make(chan struct{})
+	go func() { g.Run(ctx); close(done) }() //nolint:errcheck
+	t.Cleanup(func() { cancel(); <-done })
+	s.proxy = testenv.StartProxy(t, s.pg, cfg, testenv.ProxyOptions{Admitter: g, Registry: reg})
+	return s
+}
+
+func (s *consulSetup) url(tok int64, params ...string) string {
+	return s.proxy.FenceURL("app", "postgres", "billing", tok, params...)
+}
+
+// eventually retries f until it succeeds or 15 s pass.
+func eventually(t *testing.T, what string, f func() error) {
+	t.Helper()
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		err := f()
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: %v", what, err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+func TestConsulAdmission(t *testing.T) {
+	s := startConsulProxy(t)
+	// Nobody ever held the lock: Consul never issued any token. (Until the
+	// watch has synchronised, every token is refused with ZF007.)
+	eventually(t, "never-held lock refused", func() error {
+		if err := connectErr(s.url(1)); sqlstate(err) != fence.CodeNotIssued {
+			return fmt.Errorf("got %v", err)
+		}
+		return nil
+	})
+	sess0, _ := consulLock(t, s.client, "locks/billing")
+	if _, err := s.client.Session().Destroy(sess0, nil); err != nil {
+		t.Fatal(err)
+	}
+	sess1, tok1 := consulLock(t, s.client, "locks/billing") // tok1 >= 2
+	tests := []struct {
+		name string
+		url  string
+		code string
+	}{
+		{"current token", s.url(tok1), ""},
+		{"current token with holder session", s.url(tok1, "fence.session="+sess1), ""},
+		{"holder session mismatch", s.url(tok1, "fence.session=00000000-0000-0000-0000-000000000000"), fence.CodeHolderMismatch},
+		{"higher than issued", s.url(tok1 + 1), fence.CodeNotIssued},
+		{"lower than current", s.url(tok1 - 1), fence.CodeStale},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			err := connectErr(tt.url)
+			if tt.code == "" {
+				if err != nil {
+					t.Fatal(err)
+				}
+				return
+			}
+			wantCode(t, err, tt.code)
+		})
+	}
+	// Released: nobody holds it.
+	if _, _, err := s.client.KV().Release(&api.KVPair{Key: "locks/billing", Session: sess1}, nil); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "released lock refused", func() error {
+		if err := connectErr(s.url(tok1)); sqlstate(err) != fence.CodeNotHeld {
+			return fmt.Errorf("got %v", err)
+		}
+		return nil
+	})
+}
+
+// TestConsulLeaderChange: when Consul hands the lock over, the proxy raises
+// the new token before the new leader connects; the old leader's in-flight
+// query is cancelled, its next write refused, and its session closed.
+func TestConsulLeaderChange(t *testing.T) {
+	s := startConsulProxy(t)
+	sess1, tok1 := consulLock(t, s.client, "locks/billing")
+	old := connect(t, s.url(tok1))
+	idle := connect(t, s.url(tok1))
+	mustExec(t, old, "BEGIN")
+	mustExec(t, old, "INSERT INTO items(tag) VALUES ('old-in-flight')")
+	inflight := make(chan error, 1)
+	go func() {
+		_, err := old.Exec(context.Background(), "SELECT pg_sleep(30)")
+		inflight <- err
+	}()
+	time.Sleep(200 * time.Millisecond)
+
+	// The old holder's session ends (as if its TTL expired); another takes over.
+	if _, err := s.client.Session().Destroy(sess1, nil); err != nil {
+		t.Fatal(err)
+	}
+	_, tok2 := consulLock(t, s.client, "locks/billing")
+	if tok2 <= tok1 {
+		t.Fatalf("new LockIndex %d <= %d", tok2, tok1)
+	}
+	// Proactive raise: the database has tok2 before the new leader connects.
+	eventually(t, "proactive raise", func() error {
+		if n := count(t, s.admin, "SELECT coalesce(max(token), 0)::int FROM fence.tokens WHERE resource = 'billing'"); int64(n) != tok2 {
+			return fmt.Errorf("stored token %d", n)
+		}
+		return nil
+	})
+	select {
+	case err := <-inflight:
+		wantStale(t, err)
+	case <-time.After(15 * time.Second):
+		t.Fatal("in-flight query of the old leader was not cancelled")
+	}
+	// The idle old session was closed, telling why.
+	_, err := idle.Exec(ctxT(t), "INSERT INTO items(tag) VALUES ('old-idle')")
+	if err == nil {
+		t.Fatal("old idle session still writes")
+	}
+	if n := count(t, s.admin, "SELECT count(*) FROM items WHERE tag LIKE 'old-%'"); n != 0 {
+		t.Fatalf("%d writes of the old leader committed", n)
+	}
+	// The old token is refused at startup; the new one is admitted and writes.
+	wantCode(t, connectErr(s.url(tok1)), fence.CodeStale)
+	nc := connect(t, s.url(tok2))
+	mustExec(t, nc, "INSERT INTO items(tag) VALUES ('new')")
+}
+
+// TestConsulRegression covers every way LockIndex goes backwards: the
+// resource fails closed with ZF007 and says why.
+func TestConsulRegression(t *testing.T) {
+	cases := []struct {
+		name string
+		// regress runs with the lock held by holder (token tok); it calls
+		// ready(tok) once the session under test may connect with tok.
+		regress func(t *testing.T, c *api.Client, holder string, tok int64, ready func(int64))
+	}{
+		{"key deleted and re-acquired", func(t *testing.T, c *api.Client, holder string, tok int64, ready func(int64)) {
+			ready(tok)
+			if _, err := c.KV().Delete("locks/billing", nil); err != nil {
+				t.Fatal(err)
+			}
+			consulLock(t, c, "locks/billing")
+		}},
+		{"plain PUT on a held key", func(t *testing.T, c *api.Client, holder string, tok int64, ready func(int64)) {
+			ready(tok)
+			if _, err := c.KV().Put(&api.KVPair{Key: "locks/billing", Value: []byte("oops")}, nil); err != nil {
+				t.Fatal(err)
+			}
+		}},
+		{"snapshot restore", func(t *testing.T, c *api.Client, holder string, tok int64, ready func(int64)) {
+			snap, _, err := c.Snapshot().Save(nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			buf, err := io.ReadAll(snap)
+			snap.Close()
+			if err != nil {
+				t.Fatal(err)
+			}
+			// A newer leader after the snapshot...
+			if _, _, err := c.KV().Release(&api.KVPair{Key: "locks/billing", Session: holder}, nil); err != nil {
+				t.Fatal(err)
+			}
+			_, tok2 := consulLock(t, c, "locks/billing")
+			ready(tok2)
+			// ...then the restore moves LockIndex back.
+			if err := c.Snapshot().Restore(nil, bytesReader(buf)); err != nil {
+				t.Fatal(err)
+			}
+		}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			s := startConsulProxy(t)
+			holder, tok := consulLock(t, s.client, "locks/billing")
+			var c *pgx.Conn
+			tc.regress(t, s.client, holder, tok, func(tok int64) {
+				eventually(t, "admitted", func() error {
+					var err error
+					c, err = pgx.Connect(ctxT(t), s.url(tok))
+					return err
+				})
+				t.Cleanup(func() { c.Close(context.Background()) })
+				mustExec(t, c, "INSERT INTO items(tag) VALUES ('before')")
+			})
+			// Existing sessions are blocked, new ones refused, with ZF007.
+			attempt := 0
+			eventually(t, "existing session blocked", func() error {
+				attempt++
+				_, err := c.Exec(ctxT(t), "INSERT INTO items(tag) VALUES ($1)", fmt.Sprint("after-", attempt))
+				if sqlstate(err) != fence.CodeUnavailable {
+					return fmt.Errorf("write: %v", err)
+				}
+				if !strings.Contains(err.Error(), "went backwards") {
+					return fmt.Errorf("message does not say why: %v", err)
+				}
+				return nil
+			})
+			p, _, err := s.client.KV().Get("locks/billing", &api.QueryOptions{RequireConsistent: true})
+			if err != nil {
+				t.Fatal(err)
+			}
+			var cur int64
+			if p != nil {
+				cur = int64(p.LockIndex)
+			}
+			for _, tok := range []int64{cur, cur + 1, tok} {
+				if tok <= 0 {
+					continue
+				}
+				if err := connectErr(s.url(tok)); sqlstate(err) == "" {
+					t.Fatalf("token %d admitted after a regression", tok)
+				}
+			}
+			if n := count(t, s.admin, "SELECT count(*) FROM items WHERE tag = $1", fmt.Sprint("after-", attempt)); n != 0 {
+				t.Fatal("the refused write committed")
+			}
+		})
+	}
+}
+
+// TestConsulOutageUnderLoad: while Consul is down, admitted sessions keep
+// writing (the database check orders them) and new sessions are refused with
+// ZF007; after Consul comes back, new sessions are admitted again.
+func TestConsulOutageUnderLoad(t *testing.T) {
+	s := startConsulProxy(t)
+	_, tok := consulLock(t, s.client, "locks/billing")
+	conns := []*pgx.Conn{connect(t, s.url(tok)), connect(t, s.url(tok))}
+	ctx, stop := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	var ok, failed atomic.Int64
+	for i, c := range conns {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for n := 0; ctx.Err() == nil; n++ {
+				if _, err := c.Exec(ctx, "INSERT INTO items(tag) VALUES ($1)", fmt.Sprintf("load-%d-%d", i, n)); err != nil {
+					if ctx.Err() == nil {
+						failed.Add(1)
+					}
+				} else {
+					ok.Add(1)
+				}
+				time.Sleep(5 * time.Millisecond)
+			}
+		}()
+	}
+	time.Sleep(300 * time.Millisecond)
+	s.consul.Stop(t)
+	before := ok.Load()
+	eventually(t, "new sessions refused while Consul is down", func() error {
+		if err := connectErr(s.url(tok)); sqlstate(err) != fence.CodeUnavailable {
+			return fmt.Errorf("got %v", err)
+		}
+		return nil
+	})
+	time.Sleep(300 * time.Millisecond)
+	if ok.Load() <= before {
+		t.Fatal("admitted sessions stopped writing while Consul was down")
+	}
+	s.consul.Start(t)
+	eventually(t, "new sessions admitted after Consul is back", func() error { return connectErr(s.url(tok)) })
+	stop()
+	wg.Wait()
+	if failed.Load() != 0 {
+		t.Fatalf("%d writes of the admitted sessions failed during the outage", failed.Load())
+	}
+	t.Logf("writes during the test: %d", ok.Load())
+}
