@@ -137,7 +137,7 @@ func (sess *session) serverToClientPlain() error {
 		}
 		typ, n, err := sess.sr.Next()
 		if err != nil {
-			return err
+			return sess.serverReadError(err)
 		}
 		switch typ {
 		case 'Z':
@@ -257,7 +257,7 @@ func (sess *session) serverToClientFenced() error {
 		}
 		typ, _, err := sess.sr.Next()
 		if err != nil {
-			return err
+			return sess.serverReadError(err)
 		}
 		switch typ {
 		case 'N', 'A': // asynchronous: relay whatever is expected
@@ -493,6 +493,14 @@ func (sess *session) clientToServerPlain() error {
 		if err != nil {
 			return sess.clientReadError(err)
 		}
+		switch typ {
+		case 'Q', 'S', 'F':
+			// Each ends with one ReadyForQuery: count it, so that a shutdown
+			// waits for the answer instead of closing a busy session.
+			sess.mu.Lock()
+			sess.outstanding++
+			sess.mu.Unlock()
+		}
 		sess.swMu.Lock()
 		err = sess.cr.CopyBody(sess.sw)
 		sess.swMu.Unlock()
@@ -513,6 +521,15 @@ func (sess *session) clientReadError(err error) error {
 		sess.fatalToClient(wire.CodeProgramLimitExceeded, err.Error())
 	} else if errors.Is(err, wire.ErrMalformed) {
 		sess.fatalToClient(wire.CodeProtocolViolation, err.Error())
+	}
+	return err
+}
+
+// serverReadError tells the client why its connection is being closed when
+// the server sent a message the proxy will not relay (above the limit).
+func (sess *session) serverReadError(err error) error {
+	if errors.Is(err, wire.ErrMessageTooLarge) {
+		sess.fatalToClient(wire.CodeProgramLimitExceeded, "cannot relay the server's message: "+err.Error())
 	}
 	return err
 }

@@ -45,11 +45,12 @@ type Server struct {
 	reg     *fence.Registry
 	admit   Admitter
 
-	clients  atomic.Int64
-	mu       sync.Mutex
-	sessions map[*session]struct{}
-	draining atomic.Bool
-	wg       sync.WaitGroup
+	clients    atomic.Int64
+	sessionIDs atomic.Uint64 // for log correlation
+	mu         sync.Mutex
+	sessions   map[*session]struct{}
+	draining   atomic.Bool
+	wg         sync.WaitGroup
 }
 
 // New validates cfg and returns a Server.

@@ -24,8 +24,6 @@ import (
 
 const bufSize = 32 << 10
 
-var sessionIDs atomic.Uint64 //nolint:gochecknoglobals // a process-wide counter for log correlation only
-
 // session is one client and its upstream connection.
 type session struct {
 	srv *Server
@@ -97,7 +95,7 @@ func fatalFence(fe *fence.Error) *fatal {
 func (s *Server) handle(ctx context.Context, conn net.Conn) {
 	sess := &session{srv: s, client: conn, status: 'I', stdStrings: true}
 	sess.cond = sync.NewCond(&sess.mu)
-	sess.log = s.log.With(zap.Uint64("session", sessionIDs.Add(1)))
+	sess.log = s.log.With(zap.Uint64("session", s.sessionIDs.Add(1)))
 	if tc, ok := conn.(*net.TCPConn); ok {
 		tc.SetNoDelay(true) //nolint:errcheck // best effort
 	}

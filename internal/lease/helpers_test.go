@@ -1,0 +1,205 @@
+package lease_test
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/hashicorp/consul/api"
+
+	"github.com/fenceproxy/fenceproxy/internal/lease"
+)
+
+// waitTimeout bounds every wait for something Consul does at once (not TTL expiry).
+const waitTimeout = 15 * time.Second
+
+// TestMain doubles as the holder process of the freeze test: a lock holder in a
+// process of its own, that the test can SIGSTOP like a real stalled leader.
+func TestMain(m *testing.M) {
+	if os.Getenv("LEASE_TEST_HOLDER") != "" {
+		os.Exit(runHolder())
+	}
+	os.Exit(m.Run())
+}
+
+// runHolder acquires $LEASE_TEST_KEY on $LEASE_TEST_CONSUL with a 10 s TTL and lock-delay
+// 0, prints "token N SESSION", then "lost ERROR" when the lock is lost.
+func runHolder() int {
+	client, err := lease.NewClient(lease.ConsulConfig{Addr: os.Getenv("LEASE_TEST_CONSUL")})
+	if err != nil {
+		fmt.Println("error", err)
+		return 1
+	}
+	ctx := context.Background()
+	s, err := lease.NewSession(ctx, client, lease.WithTTL(10*time.Second), lease.WithLockDelay(0))
+	if err != nil {
+		fmt.Println("error", err)
+		return 1
+	}
+	l, err := lease.Acquire(ctx, s, os.Getenv("LEASE_TEST_KEY"))
+	if err != nil {
+		fmt.Println("error", err)
+		return 1
+	}
+	fmt.Println("token", l.Token(), s.ID())
+	<-l.Done()
+	fmt.Println("lost", l.Err())
+	return 0
+}
+
+// lineReader hands out the lines of a helper's stdout.
+func lineReader(t *testing.T, f *os.File) <-chan string {
+	t.Helper()
+	ch := make(chan string, 16)
+	go func() {
+		defer close(ch)
+		sc := bufio.NewScanner(f)
+		for sc.Scan() {
+			ch <- sc.Text()
+		}
+	}()
+	return ch
+}
+
+func testCtx(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Second)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// newSession makes a session that the test's cleanup closes.
+func newSession(t *testing.T, client *api.Client, opts ...lease.SessionOption) *lease.Session {
+	t.Helper()
+	s, err := lease.NewSession(context.Background(), client, opts...)
+	if err != nil {
+		t.Fatalf("NewSession: %v", err)
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_ = s.Close(ctx)
+	})
+	return s
+}
+
+func acquire(t *testing.T, s *lease.Session, key string) *lease.Lock {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
+	defer cancel()
+	l, err := lease.Acquire(ctx, s, key)
+	if err != nil {
+		t.Fatalf("Acquire(%q): %v", key, err)
+	}
+	return l
+}
+
+// recorder collects the states a Watcher reports.
+type recorder struct {
+	ch chan lease.State
+	mu sync.Mutex
+	// seen keeps everything, for failure messages.
+	seen []lease.State
+}
+
+// watch runs a Watcher on keys until the test ends.
+func watch(t *testing.T, client *api.Client, cfg lease.WatcherConfig) (*lease.Watcher, *recorder) {
+	t.Helper()
+	rec := &recorder{ch: make(chan lease.State, 1000)}
+	user := cfg.OnChange
+	cfg.OnChange = func(s lease.State) {
+		if user != nil {
+			user(s)
+		}
+		rec.mu.Lock()
+		rec.seen = append(rec.seen, s)
+		rec.mu.Unlock()
+		rec.ch <- s
+	}
+	if cfg.RetryMax == 0 {
+		cfg.RetryMax = 500 * time.Millisecond
+	}
+	w, err := lease.NewWatcher(client, cfg)
+	if err != nil {
+		t.Fatalf("NewWatcher: %v", err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- w.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		<-done
+	})
+	return w, rec
+}
+
+// waitFor returns the first reported state that satisfies pred.
+func (r *recorder) waitFor(t *testing.T, what string, pred func(lease.State) bool) lease.State {
+	t.Helper()
+	deadline := time.NewTimer(waitTimeout)
+	defer deadline.Stop()
+	for {
+		select {
+		case s := <-r.ch:
+			if pred(s) {
+				return s
+			}
+		case <-deadline.C:
+			r.mu.Lock()
+			defer r.mu.Unlock()
+			var b strings.Builder
+			for _, s := range r.seen {
+				fmt.Fprintf(&b, "\n  %s", describe(s))
+			}
+			t.Fatalf("no state %s within %v; states seen:%s", what, waitTimeout, b.String())
+		}
+	}
+}
+
+func describe(s lease.State) string {
+	return fmt.Sprintf("known=%t exists=%t held=%t lockIndex=%d session=%q create=%d highest=%d regression=%v err=%v",
+		s.Known, s.Exists, s.Held, s.LockIndex, s.Session, s.CreateIndex, s.Highest, s.Regression, s.Err)
+}
+
+// waitClosed waits for ch to close.
+func waitClosed(t *testing.T, what string, ch <-chan struct{}, timeout time.Duration) {
+	t.Helper()
+	select {
+	case <-ch:
+	case <-time.After(timeout):
+		t.Fatalf("%s: not done within %v", what, timeout)
+	}
+}
+
+// readKey is a consistent read of key.
+func readKey(t *testing.T, client *api.Client, key string) *api.KVPair {
+	t.Helper()
+	p, _, err := client.KV().Get(key, &api.QueryOptions{RequireConsistent: true})
+	if err != nil {
+		t.Fatalf("get %q: %v", key, err)
+	}
+	return p
+}
+
+func itoa(i int) string { return strconv.Itoa(i) }
+
+// waitState polls the watcher's state of key until pred holds.
+func waitState(t *testing.T, w *lease.Watcher, key string, pred func(lease.State) bool) lease.State {
+	t.Helper()
+	deadline := time.Now().Add(waitTimeout)
+	for {
+		s, _ := w.State(key)
+		if pred(s) {
+			return s
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("state of %s not as expected within %v: %s", key, waitTimeout, describe(s))
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}

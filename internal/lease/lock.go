@@ -1,0 +1,293 @@
+package lease
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/hashicorp/consul/api"
+	"go.uber.org/zap"
+)
+
+// lockWaitTime is how long one blocking query of Acquire and of the Lock monitor waits.
+// ctx and the session's end interrupt it; what it bounds is how long a query that started
+// after a snapshot restore, on an index the restored state has not reached, waits before
+// the monitor reads afresh and sees that the key moved back.
+const lockWaitTime = 10 * time.Second
+
+// Lock is a lock key held by a Session, with the fencing token of this acquisition.
+type Lock struct {
+	key         string
+	session     *Session
+	token       int64
+	createIndex uint64
+
+	done    chan struct{}
+	stop    context.CancelFunc // stops the monitor
+	stopped chan struct{}      // closed when the monitor returned
+	mu      sync.Mutex
+	err     error
+}
+
+// Acquire blocks until session holds key, then returns the Lock with its token. While
+// another session holds the key it waits with blocking queries (no polling); when the key
+// is free but Consul refuses it (the previous holder's lock-delay), it retries with a
+// backoff of at most 2 s. It returns early when ctx ends (ctx's error) or the session ends
+// (ErrSessionExpired or the session's ctx error). Consul errors are retried: a Consul that
+// stays away ends the session after its TTL, and with it Acquire.
+//
+// When ctx ends while the lock request is in flight, Consul may still grant it: the key is
+// then held by the session until the session is closed (Session.Close releases it).
+//
+// The key's Flags are set to api.LockFlagValue, so that Consul's own lock clients
+// (`consul lock`, api.Lock) and this package contend for the same key correctly.
+func Acquire(ctx context.Context, s *Session, key string) (*Lock, error) {
+	if key == "" || key[0] == '/' {
+		return nil, fmt.Errorf("lease: Acquire: invalid key %q", key)
+	}
+	// Every wait below also ends when the session does.
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	go func() {
+		select {
+		case <-s.Done():
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+
+	retry := newBackoff(100*time.Millisecond, 2*time.Second)
+	for {
+		if err := acquireAborted(ctx, s); err != nil {
+			return nil, fmt.Errorf("lease: acquire %q: %w", key, err)
+		}
+		l, held, err := tryLock(ctx, s, key)
+		if err == nil && l != nil {
+			return l, nil
+		}
+		if err != nil {
+			if acquireAborted(ctx, s) == nil {
+				s.log.Warn("acquire lock", zap.String("key", key), zap.Error(err))
+			}
+			retry.wait(ctx)
+			continue
+		}
+		if held == "" {
+			// Free, yet refused: a lock-delay runs (or another contender won and we
+			// read before its write). Consul's KV index does not move when a
+			// lock-delay ends, so a blocking query would not wake us: retry.
+			retry.wait(ctx)
+			continue
+		}
+		retry.reset()
+		if err := waitFree(ctx, s.client, key); err != nil && acquireAborted(ctx, s) == nil {
+			s.log.Warn("wait for lock", zap.String("key", key), zap.Error(err))
+			retry.wait(ctx)
+		}
+	}
+}
+
+func acquireAborted(ctx context.Context, s *Session) error {
+	select {
+	case <-s.Done():
+		return s.Err()
+	default:
+	}
+	return ctx.Err()
+}
+
+// tryLock attempts the acquisition and reads the LockIndex it produced in one Consul
+// transaction: the lock operation and the read are applied together through Raft, so the
+// LockIndex returned is the one of our acquisition, with nothing in between (a separate
+// read after the acquire could see a later holder's index). The result is still checked to
+// show our session. On refusal it returns the holder it read ("" if free).
+func tryLock(ctx context.Context, s *Session, key string) (*Lock, string, error) {
+	ops := api.TxnOps{
+		{KV: &api.KVTxnOp{Verb: api.KVLock, Key: key, Session: s.id, Flags: api.LockFlagValue}},
+		{KV: &api.KVTxnOp{Verb: api.KVGet, Key: key}},
+	}
+	ok, resp, _, err := s.client.Txn().Txn(ops, (&api.QueryOptions{}).WithContext(ctx))
+	if err != nil {
+		return nil, "", fmt.Errorf("lock transaction: %w", err)
+	}
+	if !ok {
+		// Refused: held by another session, a lock-delay, or our session is invalid.
+		// A consistent read tells which.
+		st, err := Read(ctx, s.client, key)
+		if err != nil {
+			return nil, "", err
+		}
+		if st.Held && st.Session == s.id {
+			// Refused but ours: impossible unless another of our own calls raced us.
+			return nil, "", fmt.Errorf("lock refused although held by our session: %s", txnErrors(resp))
+		}
+		return nil, st.Session, nil
+	}
+	var pair *api.KVPair
+	for _, r := range resp.Results {
+		if r.KV != nil && r.KV.Key == key {
+			pair = r.KV
+		}
+	}
+	switch {
+	case pair == nil:
+		return nil, "", errors.New("lock transaction returned no key")
+	case pair.Session != s.id:
+		return nil, pair.Session, fmt.Errorf("lock transaction shows holder %q, not our session %s", pair.Session, s.id)
+	case pair.LockIndex == 0:
+		return nil, "", errors.New("lock transaction shows LockIndex 0")
+	}
+	mctx, stop := context.WithCancel(context.WithoutCancel(ctx))
+	l := &Lock{
+		key: key, session: s, token: clampToken(pair.LockIndex), createIndex: pair.CreateIndex,
+		done: make(chan struct{}), stop: stop, stopped: make(chan struct{}),
+	}
+	go l.monitor(mctx, pair.ModifyIndex)
+	return l, s.id, nil
+}
+
+func txnErrors(resp *api.TxnResponse) string {
+	if resp == nil {
+		return "no details"
+	}
+	var msgs []string
+	for _, e := range resp.Errors {
+		msgs = append(msgs, e.What)
+	}
+	return strings.Join(msgs, "; ")
+}
+
+// waitFree blocks until the key's holder changes or it is free (or after one blocking
+// query's wait time).
+func waitFree(ctx context.Context, client *api.Client, key string) error {
+	kv := client.KV()
+	pair, meta, err := kv.Get(key, (&api.QueryOptions{RequireConsistent: true}).WithContext(ctx))
+	if err != nil {
+		return err
+	}
+	if pair == nil || pair.Session == "" {
+		return nil
+	}
+	holder := pair.Session
+	index := meta.LastIndex
+	for {
+		q := &api.QueryOptions{RequireConsistent: true, WaitIndex: index, WaitTime: lockWaitTime}
+		started := time.Now()
+		pair, meta, err = kv.Get(key, q.WithContext(ctx))
+		if err != nil {
+			return err
+		}
+		if pair == nil || pair.Session != holder {
+			return nil
+		}
+		index = nextIndex(index, meta.LastIndex, time.Since(started) < lockWaitTime/2)
+	}
+}
+
+// Key is the lock's Consul key.
+func (l *Lock) Key() string { return l.key }
+
+// Token is the fencing token: the LockIndex of this acquisition.
+func (l *Lock) Token() int64 { return l.token }
+
+// Session is the session that holds the lock.
+func (l *Lock) Session() *Session { return l.session }
+
+// Done is closed when the lock is lost (the session ended, or the key was released,
+// taken, deleted or overwritten: anything after which the key no longer shows this
+// acquisition) or released. Err says which.
+func (l *Lock) Done() <-chan struct{} { return l.done }
+
+// Err is nil while the lock is held; after Done it wraps ErrLockLost (with the cause,
+// ErrSessionExpired among them) or is ErrReleased.
+func (l *Lock) Err() error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.err
+}
+
+func (l *Lock) finish(err error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.err == nil {
+		l.err = err
+		close(l.done)
+	}
+}
+
+// monitor watches the key with consistent blocking queries and ends the lock as soon as
+// the key stops showing this acquisition. Consul errors are retried: while Consul is
+// away the session's own renewal decides (it ends after one TTL without renewal).
+func (l *Lock) monitor(ctx context.Context, index uint64) {
+	defer close(l.stopped)
+	defer l.stop() // ends the goroutine below when the lock is lost
+	kv := l.session.client.KV()
+	retry := newBackoff(100*time.Millisecond, 2*time.Second)
+	lost := func(format string, args ...any) {
+		err := fmt.Errorf("%w: %q: %s", ErrLockLost, l.key, fmt.Sprintf(format, args...))
+		l.session.log.Warn("lock lost", zap.String("key", l.key), zap.Int64("token", l.token), zap.Error(err))
+		l.finish(err)
+	}
+	go func() {
+		select {
+		case <-l.session.Done():
+			lost("session ended: %v", l.session.Err())
+		case <-ctx.Done():
+		}
+	}()
+	for {
+		q := &api.QueryOptions{RequireConsistent: true, WaitIndex: index, WaitTime: lockWaitTime}
+		started := time.Now()
+		pair, meta, err := kv.Get(l.key, q.WithContext(ctx))
+		if ctx.Err() != nil {
+			return
+		}
+		select {
+		case <-l.done:
+			return
+		default:
+		}
+		if err != nil {
+			retry.wait(ctx)
+			continue
+		}
+		retry.reset()
+		switch {
+		case pair == nil:
+			lost("the key was deleted")
+			return
+		case pair.CreateIndex != l.createIndex:
+			lost("the key was deleted and created again")
+			return
+		case pair.Session != l.session.id:
+			if pair.Session == "" {
+				lost("the key was released")
+			} else {
+				lost("the key is held by session %s", pair.Session)
+			}
+			return
+		case uint64(l.token) != pair.LockIndex:
+			lost("LockIndex is %d, not our %d", pair.LockIndex, l.token)
+			return
+		}
+		index = nextIndex(index, meta.LastIndex, time.Since(started) < lockWaitTime/2)
+	}
+}
+
+// Release releases the lock (its holder becomes empty; the LockIndex stays, and the next
+// acquisition by anyone increments it) and stops watching it. A lock that was already lost
+// is not touched: Consul only releases a key for its holder session. The session stays
+// alive; Close it when done.
+func (l *Lock) Release(ctx context.Context) error {
+	l.stop()
+	<-l.stopped
+	pair := &api.KVPair{Key: l.key, Session: l.session.id, Flags: api.LockFlagValue}
+	if _, _, err := l.session.client.KV().Release(pair, (&api.WriteOptions{}).WithContext(ctx)); err != nil {
+		return fmt.Errorf("lease: release %q: %w", l.key, err)
+	}
+	l.finish(ErrReleased)
+	return nil
+}

@@ -1,0 +1,404 @@
+package lease
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/url"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/hashicorp/consul/api"
+	"go.uber.org/zap"
+
+	"github.com/fenceproxy/fenceproxy/internal/wire"
+)
+
+// What RunLocked does when the lock is lost while the child runs.
+const (
+	OnLostRetry = "retry" // stop the child, campaign again, start it again with the new token
+	OnLostExit  = "exit"  // stop the child and return an error wrapping ErrLockLost
+)
+
+// DefaultGrace is how long RunLocked waits after SIGTERM before SIGKILL.
+const DefaultGrace = 10 * time.Second
+
+// Environment variables RunLocked gives the child.
+const (
+	EnvResource    = "FENCE_RESOURCE"
+	EnvToken       = "FENCE_TOKEN"
+	EnvSession     = "FENCE_SESSION"
+	EnvKey         = "FENCE_KEY"
+	EnvDatabaseURL = "DATABASE_URL"
+)
+
+// RunConfig configures RunLocked. Zero values mean the defaults.
+type RunConfig struct {
+	Client   *api.Client // required
+	Resource string      // required: the fenced resource, e.g. "billing"
+	Key      string      // the lock key; default "locks/" + Resource
+	Command  []string    // required: the program and its arguments
+
+	// DatabaseURL is the base connection URL (postgres://...) the child gets as
+	// DATABASE_URL with the fence parameters added (see FencedURL). Empty: the child
+	// gets no DATABASE_URL from RunLocked (only the FENCE_* variables).
+	DatabaseURL string
+
+	TTL       time.Duration // session TTL; default DefaultTTL
+	LockDelay time.Duration // session lock-delay; default DefaultLockDelay (0)
+	Grace     time.Duration // SIGTERM to SIGKILL; default DefaultGrace
+	OnLost    string        // OnLostRetry (default) or OnLostExit
+
+	// Env is the child's base environment; nil means os.Environ(). The FENCE_* variables
+	// and DATABASE_URL replace any of the same name.
+	Env []string
+	// Stdin, Stdout, Stderr of the child; nil means the process's own.
+	Stdin          io.Reader
+	Stdout, Stderr io.Writer
+
+	Logger *zap.Logger // nil: no logs
+}
+
+// RunLocked runs cfg.Command as the leader of cfg.Resource: it campaigns for the lock
+// key, then starts the command, in its own process group, with FENCE_RESOURCE,
+// FENCE_TOKEN (the LockIndex of this acquisition), FENCE_SESSION, FENCE_KEY and
+// DATABASE_URL in its environment.
+//
+//   - The child exits: what it left running in its process group is stopped (SIGTERM,
+//     SIGKILL after Grace), then the lock is released (never before: a release while
+//     any of it still runs would let a new leader start next to it), the session
+//     destroyed, and RunLocked returns nil for status 0, else an *ExitError with the
+//     status.
+//   - The lock is lost: the child's process group gets SIGTERM, then SIGKILL after
+//     Grace; then RunLocked campaigns again (OnLostRetry) or returns an error wrapping
+//     ErrLockLost (OnLostExit). Fencing, not this signal, is what keeps the old child's
+//     late writes out; the signal only stops it from trying.
+//   - ctx ends (the supervisor itself was told to stop): the child's group gets SIGTERM
+//     and SIGKILL after Grace, and once it has exited the lock is released and the
+//     child's status returned as above.
+//
+// Consul errors while campaigning are retried with backoff until ctx ends; ctx ending
+// before the lock is won returns ctx's error, wrapped.
+//
+// The child runs in its own process group, so a terminal's ^C reaches RunLocked (which
+// forwards it as described) and not the child directly; a child that reads a terminal
+// from the background group is stopped by SIGTTIN, so give it no terminal stdin.
+func RunLocked(ctx context.Context, cfg RunConfig) error {
+	if err := cfg.validate(); err != nil {
+		return err
+	}
+	log := cfg.Logger.With(zap.String("resource", cfg.Resource))
+	retry := newBackoff(500*time.Millisecond, 10*time.Second)
+	for {
+		if ctx.Err() != nil {
+			return fmt.Errorf("lease: stopped before acquiring %q: %w", cfg.Key, ctx.Err())
+		}
+		// The session outlives ctx on purpose: when ctx ends, the lock must stay held
+		// until the child has exited, so the session is closed explicitly below.
+		sess, err := NewSession(context.WithoutCancel(ctx), cfg.Client,
+			WithTTL(cfg.TTL), WithLockDelay(cfg.LockDelay), WithLogger(cfg.Logger),
+			WithName("fenceproxy lock "+cfg.Resource))
+		if err != nil {
+			log.Warn("create consul session", zap.Error(err))
+			retry.wait(ctx)
+			continue
+		}
+		log.Info("campaigning", zap.String("session", sess.ID()), zap.String("key", cfg.Key))
+		lock, err := Acquire(ctx, sess, cfg.Key)
+		if err != nil {
+			closeSession(sess, log)
+			if ctx.Err() == nil {
+				log.Warn("campaign failed", zap.Error(err))
+				retry.wait(ctx)
+			}
+			continue
+		}
+		retry.reset()
+		log.Info("acquired lock", zap.Int64("token", lock.Token()), zap.String("session", sess.ID()))
+
+		lost, err := supervise(ctx, &cfg, lock, log)
+		if !lost {
+			return err
+		}
+		closeSession(sess, log)
+		if cfg.OnLost == OnLostExit {
+			return fmt.Errorf("lease: %s: lost leadership: %w", cfg.Resource, lock.Err())
+		}
+		log.Info("campaigning again after lost leadership")
+	}
+}
+
+func (cfg *RunConfig) validate() error {
+	if cfg.Client == nil {
+		return errors.New("lease: RunLocked: nil Consul client")
+	}
+	if cfg.Resource == "" || strings.ContainsAny(cfg.Resource, " \t\r\n=\\") {
+		return fmt.Errorf("lease: RunLocked: invalid resource %q", cfg.Resource)
+	}
+	if len(cfg.Command) == 0 || cfg.Command[0] == "" {
+		return errors.New("lease: RunLocked: no command to run")
+	}
+	// Fail before campaigning, not after winning.
+	if _, err := exec.LookPath(cfg.Command[0]); err != nil {
+		return fmt.Errorf("lease: RunLocked: %w", err)
+	}
+	if cfg.Key == "" {
+		cfg.Key = "locks/" + cfg.Resource
+	}
+	if cfg.TTL == 0 {
+		cfg.TTL = DefaultTTL
+	}
+	if cfg.Grace <= 0 {
+		cfg.Grace = DefaultGrace
+	}
+	switch cfg.OnLost {
+	case "":
+		cfg.OnLost = OnLostRetry
+	case OnLostRetry, OnLostExit:
+	default:
+		return fmt.Errorf("lease: RunLocked: OnLost %q: want %q or %q", cfg.OnLost, OnLostRetry, OnLostExit)
+	}
+	if cfg.DatabaseURL != "" {
+		if _, err := FencedURL(cfg.DatabaseURL, cfg.Resource, 1, ""); err != nil {
+			return fmt.Errorf("lease: RunLocked: %w", err)
+		}
+	}
+	if cfg.Env == nil {
+		cfg.Env = os.Environ()
+	}
+	if cfg.Stdin == nil {
+		cfg.Stdin = os.Stdin
+	}
+	if cfg.Stdout == nil {
+		cfg.Stdout = os.Stdout
+	}
+	if cfg.Stderr == nil {
+		cfg.Stderr = os.Stderr
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = zap.NewNop()
+	}
+	return nil
+}
+
+// supervise runs the child while the lock is held. lost reports that it ended because the
+// lock was lost; otherwise err is the result of RunLocked and the lock was released.
+func supervise(ctx context.Context, cfg *RunConfig, lock *Lock, log *zap.Logger) (lost bool, err error) {
+	sess := lock.Session()
+	env, err := childEnv(cfg, lock)
+	if err != nil {
+		releaseAndClose(lock, log)
+		return false, err
+	}
+	cmd := exec.Command(cfg.Command[0], cfg.Command[1:]...)
+	cmd.Env = env
+	cmd.Stdin, cmd.Stdout, cmd.Stderr = cfg.Stdin, cfg.Stdout, cfg.Stderr
+	// Own process group, so that stopping the child stops everything it started.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	// When Stdout or Stderr is not a file, Wait also waits for the copy from the pipe,
+	// which a process the child left running may hold open: the child's exit must
+	// still be seen (and the leftovers stopped) within a second.
+	cmd.WaitDelay = time.Second
+	if err := cmd.Start(); err != nil {
+		releaseAndClose(lock, log)
+		return false, fmt.Errorf("lease: start %s: %w", cfg.Command[0], err)
+	}
+	log = log.With(zap.Int64("token", lock.Token()), zap.String("session", sess.ID()))
+	log.Info("child started", zap.Int("pid", cmd.Process.Pid))
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+
+	pgid := cmd.Process.Pid
+	select {
+	case werr := <-exited:
+		if !groupEmpty(pgid) {
+			// Processes the child started are still running with the token: stop
+			// them before a new leader can start next to them.
+			log.Info("child exited; stopping what is left of its process group")
+			werr = stopGroup(pgid, nil, werr, cfg.Grace, log)
+		}
+		releaseAndClose(lock, log)
+		return false, exitResult(werr)
+	case <-lock.Done():
+		log.Warn("lost leadership: stopping child", zap.Error(lock.Err()))
+		stopGroup(pgid, exited, nil, cfg.Grace, log)
+		return true, nil
+	case <-ctx.Done():
+		log.Info("stopping child", zap.Error(ctx.Err()))
+		werr := stopGroup(pgid, exited, nil, cfg.Grace, log)
+		releaseAndClose(lock, log)
+		return false, exitResult(werr)
+	}
+}
+
+// stopGroup stops the child's process group: SIGTERM to all of it, then SIGKILL to what
+// is left when grace has passed. It returns once the child has exited and the group is
+// empty (or, for members that outlive SIGKILL as zombies nobody reaps, once grace has
+// passed), with the child's Wait result. exited is nil when the child already exited
+// with result werr.
+func stopGroup(pgid int, exited <-chan error, werr error, grace time.Duration, log *zap.Logger) error {
+	if err := syscall.Kill(-pgid, syscall.SIGTERM); err != nil {
+		if errors.Is(err, syscall.ESRCH) && exited == nil {
+			return werr // nothing left
+		}
+		if !errors.Is(err, syscall.ESRCH) {
+			log.Warn("SIGTERM to child group", zap.Error(err))
+		}
+	}
+	deadline := time.NewTimer(grace)
+	defer deadline.Stop()
+	poll := time.NewTicker(50 * time.Millisecond)
+	defer poll.Stop()
+	for {
+		select {
+		case werr = <-exited:
+			exited = nil
+		case <-poll.C:
+		case <-deadline.C:
+			log.Warn("child group still running after the grace period: SIGKILL", zap.Duration("grace", grace))
+			if err := syscall.Kill(-pgid, syscall.SIGKILL); err != nil && !errors.Is(err, syscall.ESRCH) {
+				log.Warn("SIGKILL to child group", zap.Error(err))
+			}
+			if exited != nil {
+				werr = <-exited
+			}
+			return werr
+		}
+		if exited == nil && groupEmpty(pgid) {
+			return werr
+		}
+	}
+}
+
+// groupEmpty reports whether no process is left in the process group.
+func groupEmpty(pgid int) bool {
+	return errors.Is(syscall.Kill(-pgid, 0), syscall.ESRCH)
+}
+
+func exitResult(werr error) error {
+	if werr == nil || errors.Is(werr, exec.ErrWaitDelay) {
+		// ErrWaitDelay: the child exited 0 and something it started held its output
+		// open (and was stopped since).
+		return nil
+	}
+	var ee *exec.ExitError
+	if errors.As(werr, &ee) {
+		code := ee.ExitCode()
+		if ws, ok := ee.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
+			code = 128 + int(ws.Signal())
+		}
+		return &ExitError{Code: code, Err: werr}
+	}
+	return fmt.Errorf("lease: wait for child: %w", werr)
+}
+
+// releaseAndClose releases the lock and destroys the session on a fresh context (the
+// caller's may be over: this runs when the supervisor is stopping).
+func releaseAndClose(lock *Lock, log *zap.Logger) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := lock.Release(ctx); err != nil {
+		// Closing the session below releases it as well.
+		log.Warn("release lock", zap.Error(err))
+	} else {
+		log.Info("released lock")
+	}
+	closeSession(lock.Session(), log)
+}
+
+func closeSession(s *Session, log *zap.Logger) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := s.Close(ctx); err != nil {
+		log.Warn("close consul session", zap.Error(err))
+	}
+}
+
+func childEnv(cfg *RunConfig, lock *Lock) ([]string, error) {
+	set := map[string]string{
+		EnvResource: cfg.Resource,
+		EnvToken:    strconv.FormatInt(lock.Token(), 10),
+		EnvSession:  lock.Session().ID(),
+		EnvKey:      lock.Key(),
+	}
+	if cfg.DatabaseURL != "" {
+		u, err := FencedURL(cfg.DatabaseURL, cfg.Resource, lock.Token(), lock.Session().ID())
+		if err != nil {
+			return nil, err
+		}
+		set[EnvDatabaseURL] = u
+	}
+	env := make([]string, 0, len(cfg.Env)+len(set))
+	for _, kv := range cfg.Env {
+		name, _, _ := strings.Cut(kv, "=")
+		if _, replaced := set[name]; !replaced {
+			env = append(env, kv)
+		}
+	}
+	for _, name := range []string{EnvResource, EnvToken, EnvSession, EnvKey, EnvDatabaseURL} {
+		if v, ok := set[name]; ok {
+			env = append(env, name+"="+v)
+		}
+	}
+	return env, nil
+}
+
+// FencedURL returns base, a postgres:// or postgresql:// URL, with the fence parameters
+// in its `options` query parameter: "-c fence.resource=R -c fence.token=T" (and
+// "-c fence.session=S" when session is not ""). Both libpq and pgx send `options` to the
+// server at startup, where the proxy reads it. Options already in base are kept, except
+// fence.* settings, which are replaced. Spaces are encoded as %20, never '+': libpq does
+// not decode '+' in URIs.
+//
+// Keyword/value connection strings ("host=... dbname=...") are refused: use the URL form.
+func FencedURL(base, resource string, token int64, session string) (string, error) {
+	// Not url.Parse: it refuses libpq's multi-host URLs (postgres://h1:5432,h2:5432/db)
+	// and would re-encode parts. Only the query string is touched.
+	if !strings.HasPrefix(base, "postgres://") && !strings.HasPrefix(base, "postgresql://") {
+		return "", errors.New("database URL: want a postgres:// or postgresql:// URL " +
+			"(keyword/value connection strings are not supported)")
+	}
+	rest, fragment, hasFragment := strings.Cut(base, "#")
+	prefix, rawQuery, _ := strings.Cut(rest, "?")
+	// Work on the raw query so that every other parameter keeps its exact bytes: libpq
+	// and Go's url package decode some of them differently ('+').
+	var kept []string
+	var options string
+	if rawQuery != "" {
+		for _, part := range strings.Split(rawQuery, "&") {
+			name, value, _ := strings.Cut(part, "=")
+			if n, err := url.PathUnescape(name); err == nil && n == "options" {
+				v, err := url.PathUnescape(value)
+				if err != nil {
+					return "", fmt.Errorf("database URL: options: %w", err)
+				}
+				options = strings.TrimSpace(options + " " + v)
+				continue
+			}
+			if part != "" {
+				kept = append(kept, part)
+			}
+		}
+	}
+	_, others, err := wire.ExtractSettings(wire.SplitOptions(options), func(name string) bool {
+		return strings.HasPrefix(name, "fence.")
+	})
+	if err != nil {
+		return "", fmt.Errorf("database URL: %w", err)
+	}
+	args := append(others, "-c", "fence.resource="+resource, "-c", "fence.token="+strconv.FormatInt(token, 10))
+	if session != "" {
+		args = append(args, "-c", "fence.session="+session)
+	}
+	kept = append(kept, "options="+strings.ReplaceAll(url.QueryEscape(wire.JoinOptions(args)), "+", "%20"))
+	out := prefix + "?" + strings.Join(kept, "&")
+	if hasFragment {
+		out += "#" + fragment
+	}
+	return out, nil
+}

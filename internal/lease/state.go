@@ -1,0 +1,134 @@
+package lease
+
+import (
+	"context"
+	"fmt"
+	"math"
+
+	"github.com/hashicorp/consul/api"
+)
+
+// State is what Consul said about one lock key at one moment. The triple (Key, LockIndex,
+// Session) of a held lock is what Consul calls a sequencer; LockIndex is the fencing token.
+type State struct {
+	Key string
+	// Known is true when the fields below come from a consistent read that followed every
+	// change the watch saw. It is false before the first read, while Consul is unreachable
+	// and until the first read after an outage (the resynchronisation). Err says why.
+	Known bool
+	Err   error
+
+	Exists      bool   // the key exists
+	LockIndex   uint64 // the token of the current (or last) holder; 0 if never locked
+	Session     string // the holder session, "" when nobody holds the lock
+	Held        bool   // Session != ""
+	CreateIndex uint64 // changes when the key is deleted and created again
+	ModifyIndex uint64
+	Index       uint64 // X-Consul-Index of the read
+
+	// Highest is the highest LockIndex the Watcher saw for the key (since it started or
+	// since Reset). Zero in states that do not come from a Watcher.
+	Highest uint64
+	// Regression is set, and stays set until Watcher.Reset, once the LockIndex went
+	// backwards. Known may be true at the same time: the state is known and unusable.
+	Regression *RegressionError
+}
+
+// Token returns the token of the current holder: the LockIndex of a held lock in a known,
+// regression-free state. Otherwise it returns the reason as an error (ErrUnavailable,
+// ErrRegression or ErrNotHeld).
+func (s State) Token() (int64, error) {
+	if err := s.usable(); err != nil {
+		return 0, err
+	}
+	if !s.Held || s.LockIndex == 0 {
+		return 0, &TokenError{Key: s.Key, Token: clampToken(s.LockIndex), State: s, Err: ErrNotHeld}
+	}
+	return clampToken(s.LockIndex), nil
+}
+
+// Check decides whether token (and session, when not "") may be admitted under this
+// state: the token must equal the LockIndex of a held lock, and a given session must be
+// the holder. The answers, in this order:
+//
+//   - unknown state: ErrUnavailable; regression: a *RegressionError;
+//   - token < LockIndex: ErrStale (a newer leader exists, held or not);
+//   - token > LockIndex: ErrNotIssued;
+//   - lock free, key missing, or LockIndex 0: ErrNotHeld;
+//   - session given and not the holder: ErrSessionMismatch.
+func (s State) Check(token int64, session string) error {
+	if err := s.usable(); err != nil {
+		return err
+	}
+	fail := func(sentinel error) error {
+		return &TokenError{Key: s.Key, Token: token, Session: session, State: s, Err: sentinel}
+	}
+	switch {
+	case token < 0 || uint64(token) < s.LockIndex:
+		return fail(ErrStale)
+	case uint64(token) > s.LockIndex:
+		return fail(ErrNotIssued)
+	case !s.Held || s.LockIndex == 0:
+		// LockIndex 0 with a holder: a plain write reset the key; no token was issued.
+		return fail(ErrNotHeld)
+	case session != "" && session != s.Session:
+		return fail(ErrSessionMismatch)
+	}
+	return nil
+}
+
+func (s State) usable() error {
+	if !s.Known {
+		return &TokenError{Key: s.Key, State: s, Err: ErrUnavailable, Cause: s.Err}
+	}
+	if s.Regression != nil {
+		return s.Regression
+	}
+	return nil
+}
+
+// clampToken converts a LockIndex to a token. LockIndex counts acquisitions, so it never
+// comes near 2^63; the clamp only keeps a corrupt value from turning negative.
+func clampToken(i uint64) int64 {
+	if i > math.MaxInt64 {
+		return math.MaxInt64
+	}
+	return int64(i)
+}
+
+// Read returns the lock key's state from a consistent read (the leader confirms it is
+// still the leader before answering), so that it reflects every write acknowledged before
+// the call. A Consul error is returned wrapped, with State.Known false.
+func Read(ctx context.Context, client *api.Client, key string) (State, error) {
+	q := (&api.QueryOptions{RequireConsistent: true}).WithContext(ctx)
+	pair, meta, err := client.KV().Get(key, q)
+	if err != nil {
+		err = fmt.Errorf("consistent read of %q: %w", key, err)
+		return State{Key: key, Err: err}, err
+	}
+	return stateOf(key, pair, meta.LastIndex), nil
+}
+
+func stateOf(key string, pair *api.KVPair, index uint64) State {
+	s := State{Key: key, Known: true, Index: index}
+	if pair != nil {
+		s.Exists = true
+		s.LockIndex = pair.LockIndex
+		s.Session = pair.Session
+		s.Held = pair.Session != ""
+		s.CreateIndex = pair.CreateIndex
+		s.ModifyIndex = pair.ModifyIndex
+	}
+	return s
+}
+
+// Validate is the check at session start: a consistent read of the lock, then
+// State.Check. It needs no Watcher, and so cannot detect regressions; the proxy uses
+// Watcher.Validate, which can.
+func Validate(ctx context.Context, client *api.Client, key string, token int64, session string) (State, error) {
+	s, err := Read(ctx, client, key)
+	if err != nil {
+		return s, &TokenError{Key: key, Token: token, Session: session, State: s, Err: ErrUnavailable, Cause: err}
+	}
+	return s, s.Check(token, session)
+}
