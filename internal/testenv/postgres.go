@@ -472,10 +472,10 @@ func connURL(host string, port int, user *url.Userinfo, db string, params []stri
 		q.Set("sslmode", "disable")
 	}
 	u := url.URL{
-		Scheme:   "postgres",
-		User:     user,
-		Host:     net.JoinHostPort(host, strconv.Itoa(port)),
-		Path:     "/" + db,
+		Scheme: "postgres",
+		User:   user,
+		Host:   net.JoinHostPort(host, strconv.Itoa(port)),
+		Path:   "/" + db,
 		// libpq and pgx decode %XX but read '+' literally: spaces must be %20.
 		RawQuery: strings.ReplaceAll(q.Encode(), "+", "%20"),
 	}
