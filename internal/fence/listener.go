@@ -15,17 +15,18 @@ import (
 // with the payload "<resource> <token>".
 const Channel = "fence_raise"
 
-// ParsePayload decodes a notification payload.
-func ParsePayload(p string) (resource string, token int64, err error) {
-	res, tok, ok := strings.Cut(p, " ")
-	if !ok || !ValidResource(res) {
-		return "", 0, fmt.Errorf("fence: bad notification payload %q", p)
+// ParsePayload decodes a notification payload: "<resource> <token>" from
+// fence.raise, "<resource> <token> reset" from fence.reset.
+func ParsePayload(p string) (resource string, token int64, reset bool, err error) {
+	f := strings.Fields(p)
+	if len(f) < 2 || len(f) > 3 || !ValidResource(f[0]) || (len(f) == 3 && f[2] != "reset") {
+		return "", 0, false, fmt.Errorf("fence: bad notification payload %q", p)
 	}
-	t, err := strconv.ParseInt(tok, 10, 64)
+	t, err := strconv.ParseInt(f[1], 10, 64)
 	if err != nil {
-		return "", 0, fmt.Errorf("fence: bad notification payload %q: %w", p, err)
+		return "", 0, false, fmt.Errorf("fence: bad notification payload %q: %w", p, err)
 	}
-	return res, t, nil
+	return f[0], t, len(f) == 3, nil
 }
 
 // Listen keeps a connection to the database at url, LISTENs on Channel and
@@ -81,7 +82,12 @@ func listenOnce(ctx context.Context, url string, reg *Registry, ready func()) er
 		if err != nil {
 			return err
 		}
-		if res, tok, err := ParsePayload(n.Payload); err == nil {
+		res, tok, reset, err := ParsePayload(n.Payload)
+		switch {
+		case err != nil:
+		case reset:
+			reg.Reset(res, tok)
+		default:
 			reg.Observe(res, tok)
 		}
 	}
