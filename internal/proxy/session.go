@@ -434,6 +434,11 @@ func (sess *session) afterLogin(ctx context.Context) error {
 	if err != nil {
 		return fatalf(fence.CodeMalformed, "%v", err)
 	}
+	// Its own short transaction, READ COMMITTED and READ WRITE whatever the
+	// session's defaults (default_transaction_isolation or _read_only given
+	// in the startup options): under REPEATABLE READ two racing raises would
+	// fail with 40001, and a read-only default would refuse the raise.
+	q = "BEGIN ISOLATION LEVEL READ COMMITTED READ WRITE; " + q + "; COMMIT"
 	if err := wire.WriteMessage(sess.sw, 'Q', append([]byte(q), 0)); err != nil {
 		return err
 	}

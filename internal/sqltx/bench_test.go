@@ -1,0 +1,185 @@
+package sqltx_test
+
+import (
+	"fmt"
+	"strings"
+	"testing"
+
+	pg_query "github.com/pganalyze/pg_query_go/v6"
+
+	"github.com/fenceproxy/fenceproxy/internal/sqltx"
+)
+
+// Run with
+//
+//	go test ./internal/sqltx -run '^$' -bench . -benchmem
+//
+// Numbers measured on the development machine (2 cores, AMD EPYC), in the
+// report of the change that added them and in doc.go ("Performance").
+
+var benchQueries = []struct {
+	name    string
+	sql     string
+	inBlock bool
+}{
+	{"select", "SELECT abalance FROM pgbench_accounts WHERE aid = 42;", false},
+	{"update", "UPDATE pgbench_accounts SET abalance = abalance + -1234 WHERE aid = 42;", true},
+	{"begin", "BEGIN;", false},
+	{"end", "END;", true},
+	{"20 statements", twentyStatements(), false},
+}
+
+// twentyStatements is a string of 20 statements: three pgbench-like
+// transactions (BEGIN, five DML, END) minus one statement.
+func twentyStatements() string {
+	var b strings.Builder
+	for i := 0; i < 3; i++ {
+		fmt.Fprintf(&b, "BEGIN;\nUPDATE pgbench_accounts SET abalance = abalance + %d WHERE aid = %d;\n", i, 100+i)
+		fmt.Fprintf(&b, "SELECT abalance FROM pgbench_accounts WHERE aid = %d;\n", 100+i)
+		fmt.Fprintf(&b, "UPDATE pgbench_tellers SET tbalance = tbalance + %d WHERE tid = %d;\n", i, i)
+		fmt.Fprintf(&b, "UPDATE pgbench_branches SET bbalance = bbalance + %d WHERE bid = 1;\n", i)
+		if i < 2 {
+			fmt.Fprintf(&b, "INSERT INTO pgbench_history (tid, bid, aid, delta, mtime) VALUES (%d, 1, %d, %d, CURRENT_TIMESTAMP);\n", i, 100+i, i)
+		}
+		b.WriteString("END;\n")
+	}
+	return b.String()
+}
+
+func BenchmarkSplit(b *testing.B) {
+	for _, q := range benchQueries {
+		b.Run(q.name, func(b *testing.B) {
+			for b.Loop() {
+				if _, err := sqltx.Split(q.sql); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
+
+func BenchmarkPlanQuery(b *testing.B) {
+	for _, q := range benchQueries {
+		b.Run(q.name, func(b *testing.B) {
+			for b.Loop() {
+				if _, err := sqltx.PlanQuery(q.sql, q.inBlock, false, testCheck); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
+
+func BenchmarkClassify(b *testing.B) {
+	for _, q := range benchQueries[:4] {
+		b.Run(q.name, func(b *testing.B) {
+			for b.Loop() {
+				if _, err := sqltx.Classify(q.sql); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
+
+// BenchmarkCache measures hits: the same text again and again, as with
+// prepared statements parsed by many connections or BEGIN/END.
+func BenchmarkCache(b *testing.B) {
+	for _, q := range benchQueries {
+		b.Run("PlanQuery/"+q.name, func(b *testing.B) {
+			c := sqltx.NewCache(1024)
+			for b.Loop() {
+				if _, err := c.PlanQuery(q.sql, q.inBlock, false, testCheck); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+	b.Run("Classify/select", func(b *testing.B) {
+		c := sqltx.NewCache(1024)
+		for b.Loop() {
+			if _, err := c.Classify(benchQueries[0].sql); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+	// Misses: every text new (pgbench's simple protocol sends literal values),
+	// so the cache only adds its bookkeeping.
+	b.Run("PlanQuery/select miss", func(b *testing.B) {
+		c := sqltx.NewCache(1024)
+		i := 0
+		for b.Loop() {
+			i++
+			sql := fmt.Sprintf("SELECT abalance FROM pgbench_accounts WHERE aid = %d;", i)
+			if _, err := c.PlanQuery(sql, false, false, testCheck); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+	b.Run("PlanQuery/select miss uncached", func(b *testing.B) {
+		i := 0
+		for b.Loop() {
+			i++
+			sql := fmt.Sprintf("SELECT abalance FROM pgbench_accounts WHERE aid = %d;", i)
+			if _, err := sqltx.PlanQuery(sql, false, false, testCheck); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+}
+
+// BenchmarkPlanQueryParallel shows that analyses run in parallel (pg_query
+// keeps its state per thread).
+func BenchmarkPlanQueryParallel(b *testing.B) {
+	q := benchQueries[0]
+	b.RunParallel(func(pb *testing.PB) {
+		for pb.Next() {
+			if _, err := sqltx.PlanQuery(q.sql, false, false, testCheck); err != nil {
+				b.Error(err)
+				return
+			}
+		}
+	})
+}
+
+// BenchmarkApproach measures the pg_query entry points that an exact split
+// could be built on, and the reference implementation (one full parse tree).
+func BenchmarkApproach(b *testing.B) {
+	for _, q := range benchQueries {
+		b.Run("Parse/"+q.name, func(b *testing.B) {
+			for b.Loop() {
+				if _, err := pg_query.Parse(q.sql); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+		b.Run("IsUtilityStmt/"+q.name, func(b *testing.B) {
+			for b.Loop() {
+				if _, err := pg_query.IsUtilityStmt(q.sql); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+		b.Run("SplitWithParser/"+q.name, func(b *testing.B) {
+			for b.Loop() {
+				if _, err := pg_query.SplitWithParser(q.sql, false); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+		b.Run("Scan/"+q.name, func(b *testing.B) {
+			for b.Loop() {
+				if _, err := pg_query.Scan(q.sql); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+		b.Run("ReferenceSplit/"+q.name, func(b *testing.B) {
+			for b.Loop() {
+				if _, err := sqltx.ReferenceSplit(q.sql); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}

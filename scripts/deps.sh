@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# Installs what fenceproxy's build, tests, demo and benchmark need on Debian 12, then
+# downloads the Go modules (and builds the test Consul agent when that script exists).
+# Idempotent: when everything is present it only checks, in seconds, and needs no root.
+#
+# Installing postgresql-15 creates a system cluster (15/main) and pgbouncer a daemon on the
+# default ports. The tests never use them (they start private servers on private ports), so
+# this script keeps them from starting and stops them if they started anyway.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+started=$SECONDS
+packages=(
+  postgresql-15 postgresql-client-15 # server binaries for tests; psql, pgbench
+  postgresql-15-pgtap                # SQL tests of the fence schema
+  libtap-parser-sourcehandler-pgtap-perl # pg_prove
+  pgbouncer                          # comparison in the benchmark
+  python3-psycopg2                   # a second driver in the tests
+  docker-compose                     # the demo's compose file
+)
+
+say() { printf 'deps: %s\n' "$*"; }
+
+as_root() {
+  if [ "$(id -u)" -eq 0 ]; then
+    "$@"
+  elif command -v sudo >/dev/null; then
+    sudo "$@"
+  else
+    echo "deps: need root (or sudo) to run: $*" >&2
+    exit 1
+  fi
+}
+
+missing=()
+for p in "${packages[@]}"; do
+  if [ "$(dpkg-query -W -f='${db:Status-Status}' "$p" 2>/dev/null)" != installed ]; then
+    missing+=("$p")
+  fi
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  say "Debian packages: all ${#packages[@]} present"
+else
+  say "installing: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  # policy-rc.d exit 101 = "action forbidden": invoke-rc.d and deb-systemd-invoke then
+  # leave the services stopped. Only ours is removed afterwards.
+  policy=/usr/sbin/policy-rc.d
+  if [ ! -e "$policy" ]; then
+    as_root sh -c "printf '#!/bin/sh\nexit 101\n' > $policy && chmod 755 $policy"
+    trap 'as_root rm -f "$policy"' EXIT
+  fi
+  as_root apt-get update -qq
+  as_root apt-get install -y -qq -o Dpkg::Use-Pty=0 --no-install-recommends "${missing[@]}"
+
+  # Belt and braces for what the packages just set up: stop it and keep it from starting
+  # at boot. Clusters and daemons that existed before this run are left alone.
+  for p in "${missing[@]}"; do
+    case "$p" in
+    postgresql-15)
+      if [ -f /etc/postgresql/15/main/start.conf ]; then
+        as_root pg_ctlcluster 15 main stop 2>/dev/null || true
+        echo manual | as_root tee /etc/postgresql/15/main/start.conf >/dev/null
+        say "system cluster 15/main stopped, start.conf set to manual"
+      fi
+      ;;
+    pgbouncer)
+      if [ -d /run/systemd/system ]; then
+        as_root systemctl disable --now pgbouncer >/dev/null 2>&1 || true
+      else
+        as_root service pgbouncer stop >/dev/null 2>&1 || true
+      fi
+      say "system pgbouncer stopped"
+      ;;
+    esac
+  done
+  say "installed ${#missing[@]} package(s)"
+fi
+
+if ! command -v go >/dev/null; then
+  echo "deps: go is not on PATH: install the Go version go.mod names" >&2
+  exit 1
+fi
+go mod download
+say "Go modules: downloaded ($(go version | cut -d' ' -f3))"
+
+if [ -f scripts/build-consul.sh ]; then
+  bash scripts/build-consul.sh
+fi
+say "done in $((SECONDS - started))s"
