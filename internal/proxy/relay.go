@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"strings"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgproto3"
 	"go.uber.org/zap"
@@ -519,10 +520,20 @@ func (sess *session) clientToServerPlain() error {
 func (sess *session) clientReadError(err error) error {
 	if errors.Is(err, wire.ErrMessageTooLarge) {
 		sess.fatalToClient(wire.CodeProgramLimitExceeded, err.Error())
+		sess.drainClient()
 	} else if errors.Is(err, wire.ErrMalformed) {
 		sess.fatalToClient(wire.CodeProtocolViolation, err.Error())
 	}
 	return err
+}
+
+// drainClient drops what the client is still sending, for a moment, before
+// its connection is closed. Closing a socket with unread data resets it,
+// and the client, still writing its oversized message, would see
+// "connection reset" instead of the error that says why.
+func (sess *session) drainClient() {
+	sess.client.SetReadDeadline(time.Now().Add(time.Second)) //nolint:errcheck // best effort
+	io.Copy(io.Discard, io.LimitReader(sess.client, 64<<20)) //nolint:errcheck
 }
 
 // serverReadError tells the client why its connection is being closed when
