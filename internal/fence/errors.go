@@ -33,6 +33,8 @@ type Error struct {
 	Token    int64
 	// Admitted is the highest admitted token, when known (stale rejections).
 	Admitted int64
+	// Position is the ErrorResponse's cursor position (syntax errors), 0: none.
+	Position int32
 	Err      error // cause, if any
 }
 
@@ -168,5 +170,6 @@ func (e *Error) Response(severity string) *pgproto3.ErrorResponse {
 		Message:             e.Message,
 		Detail:              e.Detail,
 		Hint:                e.Hint,
+		Position:            e.Position,
 	}
 }

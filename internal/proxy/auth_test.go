@@ -9,7 +9,9 @@ import (
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"encoding/pem"
+	"errors"
 	"fmt"
+	"github.com/jackc/pgx/v5/pgconn"
 	"math/big"
 	"net"
 	"os"
@@ -424,6 +426,10 @@ func testSCRAMChannelBinding(t *testing.T, s *suite) {
 			if tt.wantErr {
 				if err == nil {
 					t.Fatal("want an authentication error")
+				}
+				var pe *pgconn.PgError
+				if !errors.As(err, &pe) || !strings.Contains(pe.Hint, "channel_binding=disable") {
+					t.Fatalf("the error does not say what to do: %v", err)
 				}
 				t.Logf("as expected, channel binding across the proxy fails: %v", err)
 				return

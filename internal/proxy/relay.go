@@ -78,6 +78,7 @@ type entry struct {
 	check   bool         // our fence check: its error is a fencing rejection
 	refusal *fence.Error // our refusal: its error is replaced by this one
 	unit    *unit        // on end entries
+	copyRes chan bool    // COPY FROM STDIN (extended): true once copy-in started, false if refused
 }
 
 // unit is what ends with one ReadyForQuery.
@@ -89,15 +90,17 @@ type unit struct {
 
 // relay runs both directions until either side closes or fails.
 func (sess *session) relay(ctx context.Context) error {
+	// ctx ends when the shutdown grace period is over: tell the client why.
 	stop := context.AfterFunc(ctx, func() {
-		sess.client.Close()
-		sess.server.Close()
+		sess.closeReason.Store(nil)
+		sess.closeForShutdown()
 	})
 	defer stop()
 	errc := make(chan error, 2)
 	go func() { errc <- sess.clientToServer() }()
 	go func() { errc <- sess.serverToClient() }()
 	err := <-errc
+	close(sess.done)
 	sess.mu.Lock()
 	sess.closed = true
 	sess.cond.Broadcast()
@@ -309,6 +312,10 @@ func (sess *session) serverToClientFenced() error {
 		if e == nil {
 			continue
 		}
+		if typ == 'G' && e.copyRes != nil {
+			e.copyRes <- true
+			e.copyRes = nil
+		}
 		// Which responses complete the head entry.
 		switch typ {
 		case '1', '2', '3', 'V':
@@ -338,6 +345,10 @@ func (sess *session) serverError(body []byte) error {
 		return sess.writeClient('E', body)
 	}
 	sess.pop()
+	if e.copyRes != nil {
+		e.copyRes <- false // the COPY failed before copy-in mode
+		e.copyRes = nil
+	}
 	resp, derr := wire.DecodeError(body)
 	switch {
 	case e.refusal != nil:
@@ -452,6 +463,12 @@ type cstate struct {
 	unit       *unit
 
 	ownCheck []byte // the check as Close, Close, Parse, Bind, Execute messages
+
+	// copyRes is set after an Execute of COPY FROM STDIN until the client's
+	// CopyDone/CopyFail, or until the server refused the COPY: while the
+	// server is in copy-in mode it ignores Sync and Flush, which then must
+	// not end the unit nor carry a check.
+	copyRes chan bool
 }
 
 func apply(st byte, k sqltx.Kind) byte {
@@ -658,6 +675,15 @@ func (sess *session) clientToServerFenced() error {
 		if err != nil {
 			return sess.clientReadError(err)
 		}
+		if c.copyRes != nil {
+			handled, err := sess.duringCopy(c, typ)
+			if err != nil {
+				return err
+			}
+			if handled {
+				continue
+			}
+		}
 		switch typ {
 		case 'Q':
 			err = sess.onQuery(c)
@@ -694,6 +720,40 @@ func (sess *session) clientToServerFenced() error {
 	}
 }
 
+// duringCopy handles a client message after an extended-protocol COPY FROM
+// STDIN: CopyData goes through; CopyDone/CopyFail end the copy (the next
+// Sync is a real one); anything else waits until the server has said
+// whether it entered copy-in mode. In copy-in mode a Sync or Flush is
+// forwarded bare: the server ignores it. If the COPY was refused, the
+// message is handled normally (handled is false).
+func (sess *session) duringCopy(c *cstate, typ byte) (handled bool, err error) {
+	switch typ {
+	case 'd':
+		return true, sess.forward()
+	case 'c', 'f':
+		c.copyRes = nil
+		return true, sess.forward()
+	}
+	if err := sess.flushServer(); err != nil {
+		return false, err
+	}
+	var started bool
+	select {
+	case started = <-c.copyRes:
+	case <-sess.done:
+		return false, errSessionClosed
+	}
+	if !started {
+		c.copyRes = nil
+		return false, nil
+	}
+	// Still in copy-in mode: the server ignores Sync and Flush, and refuses
+	// anything else itself (which ends the session, as it would directly).
+	// Put the answer back for the next message.
+	c.copyRes <- true
+	return true, sess.forward()
+}
+
 // forward streams the current client message to the server unchanged.
 func (sess *session) forward() error {
 	sess.swMu.Lock()
@@ -721,7 +781,10 @@ func (sess *session) onParse(c *cstate) error {
 		return sess.protocolError("Parse", err)
 	}
 	c.begin(sess)
-	kind, cerr := sqltx.Classify(query)
+	kind, cerr := sess.srv.sqlCache.Classify(query)
+	if cerr == nil {
+		cerr = sess.settingsKnown(c, query)
+	}
 	if cerr == nil {
 		cerr = sess.lexUnsafe(kind)
 	}
@@ -740,6 +803,28 @@ var (
 	errStdStrings = errors.New("standard_conforming_strings is off")
 	errEncoding   = errors.New("client_encoding is not ASCII-safe")
 )
+
+// errPipelinedSetting refuses text that would lex differently with
+// standard_conforming_strings off, sent behind an Execute of the same unit
+// that might have turned it off (set_config in a query): the server reports
+// the setting only at the unit's ReadyForQuery.
+var errPipelinedSetting = errors.New("a string literal with a backslash behind an Execute of the same pipeline segment")
+
+// settingsKnown makes sure the lexing settings the server will apply to sql
+// are known before the proxy parses it, when it matters: for text that
+// standard_conforming_strings changes the meaning of, it waits until every
+// earlier unit has reported its settings (ReadyForQuery), and refuses it
+// behind an Execute of its own unit.
+func (sess *session) settingsKnown(c *cstate, sql string) error {
+	sensitive, err := sqltx.StdStringsSensitive(sql)
+	if err != nil || !sensitive {
+		return err
+	}
+	if c.hasExecute {
+		return errPipelinedSetting
+	}
+	return c.ensureExact(sess)
+}
 
 // lexUnsafe reports whether the session's settings, or the statement about
 // to change them, would make the server lex SQL differently from the
@@ -766,6 +851,9 @@ func (sess *session) lexUnsafe(kinds ...sqltx.Kind) error {
 
 func (sess *session) parseRefusal(err error) *fence.Error {
 	switch {
+	case errors.Is(err, errPipelinedSetting):
+		return fence.NotAllowed(err.Error(),
+			"standard_conforming_strings might have changed in between (the server reports it only at Sync); send a Sync first, or pass the value as a parameter")
 	case errors.Is(err, errStdStrings):
 		return fence.NotAllowed("standard_conforming_strings=off",
 			"fenceproxy parses SQL with PostgreSQL's grammar under standard_conforming_strings=on; keep that setting on in fenced sessions")
@@ -773,8 +861,13 @@ func (sess *session) parseRefusal(err error) *fence.Error {
 		return fence.NotAllowed("a client_encoding whose multibyte characters can contain backslashes or quotes (SJIS, BIG5, GBK, UHC, GB18030, JOHAB)",
 			"use UTF8 (or another ASCII-safe encoding) in fenced sessions")
 	}
+	var se *sqltx.SyntaxError
+	if errors.As(err, &se) {
+		// PostgreSQL's own grammar refused it: answer as the server would.
+		return &fence.Error{Code: wire.CodeSyntaxError, Message: se.Message, Position: int32(se.Position)}
+	}
 	fe := fence.NotAllowed("statement that fenceproxy could not parse: "+err.Error(),
-		"fenceproxy must find transaction control in every statement of a fenced session; fix the syntax error")
+		"fenceproxy must find transaction control in every statement of a fenced session")
 	fe.Code = wire.CodeSyntaxError
 	return fe
 }
@@ -864,7 +957,12 @@ func (sess *session) onExecute(c *cstate) error {
 		return sess.refuse(c, noTxBlockRefusal())
 	}
 	c.kinds = append(c.kinds, kind)
-	c.push(sess, &entry{kind: eExecute})
+	e := &entry{kind: eExecute}
+	if kind == sqltx.CopyIn {
+		e.copyRes = make(chan bool, 1)
+		c.copyRes = e.copyRes
+	}
+	c.push(sess, e)
 	return sess.writeServer('E', body)
 }
 
@@ -991,17 +1089,20 @@ func (sess *session) onQuery(c *cstate) error {
 		return sess.protocolError("Query", err)
 	}
 	c.begin(sess)
+	if err := sess.settingsKnown(c, sql); err != nil {
+		return sess.refuseQuery(c, sess.parseRefusal(err))
+	}
 	if err := sess.lexUnsafe(); err != nil {
 		return sess.refuseQuery(c, sess.parseRefusal(err))
 	}
 	st := c.current()
-	plan, perr := sqltx.PlanQuery(sql, st != 'I', c.failed(), sess.checkSQL)
+	plan, perr := sess.srv.sqlCache.PlanQuery(sql, st != 'I', c.failed(), sess.checkSQL)
 	if perr == nil && !c.exact && (st != 'I' || plan.Checks > finalChecks(plan)) {
 		if err := c.ensureExact(sess); err != nil {
 			return err
 		}
 		st = c.current()
-		plan, perr = sqltx.PlanQuery(sql, st != 'I', c.failed(), sess.checkSQL)
+		plan, perr = sess.srv.sqlCache.PlanQuery(sql, st != 'I', c.failed(), sess.checkSQL)
 	}
 	if perr != nil {
 		if !errors.Is(perr, sqltx.ErrNeedsOwnTransaction) {
@@ -1017,7 +1118,7 @@ func (sess *session) onQuery(c *cstate) error {
 	if err := sess.lexUnsafe(plan.Kinds...); err != nil {
 		return sess.refuseQuery(c, sess.parseRefusal(err))
 	}
-	if fe := sess.refusal(); fe != nil && plan.Checks == finalChecks(plan) && !harmlessQuery(sql) {
+	if fe := sess.refusal(); fe != nil && plan.Checks == finalChecks(plan) && !harmlessQuery(plan) {
 		return sess.refuseQuery(c, fe)
 	}
 	if plan.Checks > finalChecks(plan) {
@@ -1063,13 +1164,12 @@ func planKinds(p sqltx.QueryPlan) []sqltx.Kind {
 
 // harmlessQuery reports whether a stale session's Query only ends its
 // transaction (ROLLBACK and friends), which the proxy lets through.
-func harmlessQuery(sql string) bool {
-	stmts, err := sqltx.Split(sql)
-	if err != nil || len(stmts) == 0 {
+func harmlessQuery(p sqltx.QueryPlan) bool {
+	if len(p.Kinds) == 0 {
 		return false
 	}
-	for _, s := range stmts {
-		if !harmless(s.Kind) {
+	for _, k := range p.Kinds {
+		if !harmless(k) {
 			return false
 		}
 	}

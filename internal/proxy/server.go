@@ -14,6 +14,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
+	"github.com/fenceproxy/fenceproxy/internal/sqltx"
 	"github.com/fenceproxy/fenceproxy/internal/wire"
 )
 
@@ -44,6 +45,9 @@ type Server struct {
 	metrics *Metrics
 	reg     *fence.Registry
 	admit   Admitter
+	// sqlCache remembers how recent SQL texts split and classify, shared by
+	// every session (prepared statements and repeated queries parse once).
+	sqlCache *sqltx.Cache
 
 	clients    atomic.Int64
 	sessionIDs atomic.Uint64 // for log correlation
@@ -66,6 +70,7 @@ func New(cfg Config, opts Options) (*Server, error) {
 		reg:      opts.Registry,
 		admit:    opts.Admitter,
 		sessions: map[*session]struct{}{},
+		sqlCache: sqltx.NewCache(4096),
 	}
 	if srv.log == nil {
 		srv.log = zap.NewNop()

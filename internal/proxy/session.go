@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"crypto/tls"
 	"encoding/binary"
@@ -10,6 +11,7 @@ import (
 	"io"
 	"net"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -38,6 +40,8 @@ type session struct {
 	pid uint32
 	key []byte
 
+	clientTLS bool // the client connection is TLS
+
 	cred     fence.Credentials
 	mode     checkMode
 	checkSQL string
@@ -60,6 +64,7 @@ type session struct {
 	status         byte // from the last ReadyForQuery relayed
 	outstanding    int  // units (Sync, Query, FunctionCall) forwarded but not answered
 	closed         bool
+	done           chan struct{} // closed when the relay ends
 	queue          []*entry
 	stdStrings     bool   // standard_conforming_strings as last reported
 	encodingUnsafe bool   // client_encoding may hide a backslash in a multibyte character
@@ -93,7 +98,7 @@ func fatalFence(fe *fence.Error) *fatal {
 }
 
 func (s *Server) handle(ctx context.Context, conn net.Conn) {
-	sess := &session{srv: s, client: conn, status: 'I', stdStrings: true}
+	sess := &session{srv: s, client: conn, status: 'I', stdStrings: true, done: make(chan struct{})}
 	sess.cond = sync.NewCond(&sess.mu)
 	sess.log = s.log.With(zap.Uint64("session", s.sessionIDs.Add(1)))
 	if tc, ok := conn.(*net.TCPConn); ok {
@@ -155,10 +160,13 @@ func (sess *session) start(ctx context.Context, clients int64) error {
 	})
 	err := sess.login(loginCtx, clients)
 	if !stop() || timedOut.Load() {
-		if err == nil || !errors.As(err, new(*fatal)) {
-			err = fatalf(wire.CodeProtocolViolation, "login timeout: startup and authentication took longer than %s", s.cfg.LoginTimeout)
+		// Whatever failed first (a read, the server's answer), the cause is
+		// the timeout: say so, and whose side was late.
+		var f *fatal
+		if errors.As(err, &f) && f.resp.Code == wire.CodeConnectionFailure {
+			return fatalf(wire.CodeConnectionFailure, "login timeout: the server did not complete startup within %s (fenceproxy --login-timeout)", s.cfg.LoginTimeout)
 		}
-		return err
+		return fatalf(wire.CodeProtocolViolation, "login timeout: startup and authentication took longer than %s (fenceproxy --login-timeout)", s.cfg.LoginTimeout)
 	}
 	if err != nil {
 		return err
@@ -182,6 +190,9 @@ func (sess *session) login(ctx context.Context, clients int64) error {
 	for st == nil {
 		p, err := wire.ReadStartup(br)
 		if err != nil {
+			if errors.Is(err, wire.ErrUnsupportedProtocol) {
+				return fatalf(wire.CodeFeatureNotSupported, "%v", err)
+			}
 			if errors.Is(err, wire.ErrStartup) {
 				return fatalf(wire.CodeProtocolViolation, "%v", err)
 			}
@@ -204,6 +215,7 @@ func (sess *session) login(ctx context.Context, clients int64) error {
 					return fmt.Errorf("client TLS handshake: %w", err)
 				}
 				sess.client = tc
+				sess.clientTLS = true
 				br = bufio.NewReaderSize(tc, bufSize)
 				tlsDone = true
 				continue
@@ -336,7 +348,17 @@ func (sess *session) relayAuth(ctx context.Context) error {
 				}
 			}
 		case 'E':
-			// Authentication failed or the server refused us: relay as is.
+			// Authentication failed or the server refused us: relay as is,
+			// with a hint when SCRAM channel binding could not work through
+			// the proxy. (Binding cannot be repaired in flight: SCRAM signs
+			// the client's view of it, and withdrawing SCRAM-SHA-256-PLUS makes
+			// the server detect a downgrade.)
+			if e, err := wire.DecodeError(body); err == nil && e.Code == wire.CodeInvalidAuthorization &&
+				strings.Contains(e.Message, "channel binding") && sess.bindingMismatch() {
+				e.Hint = "fenceproxy terminates TLS with its own certificate, so SCRAM channel binding to the server cannot verify: " +
+					"connect with channel_binding=disable, give the proxy the server's certificate and key (--tls-cert, --tls-key), or reach the server without TLS (e.g. its Unix socket)"
+				body = wire.AppendError(nil, e)[5:]
+			}
 			sess.toClient(typ, body, true) //nolint:errcheck
 			return errors.New("server refused the session")
 		case 'K':
@@ -368,6 +390,23 @@ func (sess *session) relayAuth(ctx context.Context) error {
 			}
 		}
 	}
+}
+
+// bindingMismatch reports whether SCRAM channel binding would fail: both
+// legs are TLS and the proxy presents a different certificate from the
+// server's (tls-server-end-point binds to the certificate's hash, so a proxy
+// that presents the server's own certificate keeps binding working).
+func (sess *session) bindingMismatch() bool {
+	up, ok := sess.server.(*tls.Conn)
+	if !sess.clientTLS || !ok {
+		return false
+	}
+	peers := up.ConnectionState().PeerCertificates
+	certs := sess.srv.cfg.clientTLS.Certificates
+	if len(peers) == 0 || len(certs) == 0 || len(certs[0].Certificate) == 0 {
+		return true
+	}
+	return !bytes.Equal(peers[0].Raw, certs[0].Certificate[0])
 }
 
 func (sess *session) relayAuthAnswer() error {

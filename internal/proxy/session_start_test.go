@@ -43,8 +43,8 @@ func testStartupGarbage(t *testing.T, s *suite) {
 		{"truncated packet", length(100, 0, 3, 0, 0, 'u', 's'), true, false, "08P01"},
 		{"truncated header", []byte{0, 0}, true, false, ""},
 		{"nothing", nil, true, false, ""},
-		{"protocol 2.0", startupPacket(2<<16, "user", "postgres"), false, true, "08P01"},
-		{"protocol 4.0", startupPacket(4<<16, "user", "postgres"), false, true, "08P01"},
+		{"protocol 2.0", startupPacket(2<<16, "user", "postgres"), false, true, "0A000"}, // as PostgreSQL answers
+		{"protocol 4.0", startupPacket(4<<16, "user", "postgres"), false, true, "0A000"},
 		{"no terminator", length(17, append([]byte{0, 3, 0, 0}, "user\x00alice"...)...), false, true, "08P01"},
 		{"name without value", length(18, append([]byte{0, 3, 0, 0}, "user\x00alice\x00db\x00"...)...), false, true, "08P01"},
 		{"SSLRequest with trailing bytes", length(12, 0x04, 0xd2, 0x16, 0x2f, 0, 0, 0, 0), false, true, "08P01"},

@@ -45,6 +45,10 @@ func TestSessionAdmission(t *testing.T) {
 		{"unknown fence parameter", p.URL("app", "postgres", "options=-c fence.resource=billing -c fence.token=4 -c fence.tokn=5"), fence.CodeMalformed},
 		{"stale at startup", p.FenceURL("app", "postgres", "other", 49), fence.CodeStale},
 		{"current at startup", p.FenceURL("app", "postgres", "other", 50), ""},
+		// The raise runs in its own READ COMMITTED, READ WRITE transaction
+		// whatever the session's defaults.
+		{"raise under serializable, read-only defaults", p.URL("app", "postgres",
+			"options=-c default_transaction_isolation=serializable -c default_transaction_read_only=on -c fence.resource=other -c fence.token=51"), ""},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

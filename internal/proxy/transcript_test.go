@@ -125,6 +125,18 @@ var transcripts = []struct {
 		step(1, &pgproto3.CopyData{Data: []byte("7\n8\n")}, &pgproto3.CopyDone{}, syncMsg),
 		step(1, &pgproto3.Parse{Query: "COPY c TO STDOUT"}, &pgproto3.Bind{}, &pgproto3.Execute{}, syncMsg),
 	}},
+	{"copy in the extended protocol, refused", []string{`"42P01"`, `"TxStatus":"I"`}, []rawStep{
+		// The COPY fails before copy-in mode: the Sync sent with it is a real one.
+		step(1, &pgproto3.Parse{Query: "COPY no_such_table FROM STDIN"}, &pgproto3.Bind{}, &pgproto3.Execute{}, syncMsg),
+		step(1, q("SELECT 1")),
+	}},
+	{"copy in the extended protocol, in a block", []string{`"COPY 1"`, `"COMMIT"`}, []rawStep{
+		step(1, q("CREATE TEMP TABLE cb (a int); BEGIN")),
+		stepUntil("CopyInResponse", &pgproto3.Parse{Query: "COPY cb FROM STDIN"}, &pgproto3.Bind{}, &pgproto3.Execute{}, &pgproto3.Flush{}),
+		step(1, &pgproto3.CopyData{Data: []byte("9\n")}, &pgproto3.CopyDone{}, syncMsg),
+		step(1, q("COMMIT")),
+		step(1, q("SELECT count(*) FROM cb")),
+	}},
 	{"copy to stdout", []string{`CopyOutResponse`, `CopyDone`, `"COPY 200"`}, []rawStep{
 		step(1, q("COPY (SELECT g, repeat('x', g), g % 3 = 0 FROM generate_series(1, 200) g) TO STDOUT")),
 		step(1, q("COPY (SELECT g, 'a\tb' FROM generate_series(1, 3) g) TO STDOUT (FORMAT binary)")),

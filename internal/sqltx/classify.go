@@ -24,6 +24,11 @@ func kindOf(n *pg_query.Node) Kind {
 		return Do
 	case *pg_query.Node_VariableSetStmt:
 		return setKind(s.VariableSetStmt)
+	case *pg_query.Node_CopyStmt:
+		c := s.CopyStmt
+		if c.GetIsFrom() && !c.GetIsProgram() && c.GetFilename() == "" {
+			return CopyIn
+		}
 
 	// PreventInTransactionBlock callers in PostgreSQL 15 (see doc.go).
 	case *pg_query.Node_VacuumStmt:

@@ -33,22 +33,31 @@
 // lexes as a default session does. The proxy must keep the session there:
 //
 //   - standard_conforming_strings must be on. With it off, a backslash escapes
-//     a quote inside '...', so `SELECT 'a\'; COMMIT; --'` is one statement to
-//     the server but three (with a COMMIT) to the proxy's lexer, or the other
-//     way round. A top-level SET of it to anything that might be off is
-//     SetStdStrings, for the proxy to refuse. set_config(...) and
-//     ALTER ROLE/DATABASE ... SET cannot be found syntactically: the proxy
-//     tracks the standard_conforming_strings ParameterStatus (sent at startup
-//     and on every change) and refuses to go on while it is not on. RESET,
-//     RESET ALL, SET ... TO DEFAULT and DISCARD ALL return the setting to its
-//     value at session start (role and database settings only apply at
-//     connection), which the proxy has checked, so they are not SetStdStrings.
+//     a quote inside '...': `SELECT 'a\' || ' ; COMMIT; --'` is one SELECT to
+//     the proxy's lexer but a SELECT and a COMMIT to such a session, which
+//     then commits past the proxy (the integration test shows it). A
+//     top-level SET of it to anything that might be off is SetStdStrings,
+//     for the proxy to refuse. set_config(...) cannot be found syntactically:
+//     the proxy tracks the standard_conforming_strings ParameterStatus (sent
+//     at startup and after every change) and refuses to go on while it is not
+//     on. That report comes after the statement ran, so a message already
+//     sent behind it in a pipeline meets the new value: StdStringsSensitive
+//     tells whether a text could be read differently at all (almost never:
+//     it needs a backslash in a '...' literal); such a text should wait until
+//     everything before it has completed. RESET, RESET ALL, SET ... TO DEFAULT
+//     and DISCARD ALL return the setting to the value the session started
+//     with (ALTER ROLE/DATABASE ... SET only apply to new sessions; SET ROLE
+//     and SET SESSION AUTHORIZATION apply none), which the proxy has
+//     checked, so they are not SetStdStrings.
 //   - client_encoding must be ASCII-safe (ClientEncodingSafe). In SJIS, BIG5,
 //     GBK, UHC, GB18030 and JOHAB the second byte of a character can be 0x5C,
 //     a backslash, and E'...' strings would end elsewhere for the proxy than
 //     for the server, which converts to the server encoding before lexing. A
 //     SET to such an encoding is SetClientEncoding; the proxy checks the
-//     client_encoding ParameterStatus likewise.
+//     client_encoding ParameterStatus likewise. Text in a safe single-byte
+//     encoding such as LATIN1 is not UTF-8, which pg_query's protobuf output
+//     requires: such text is parsed as Latin-1 (parseTree in split.go
+//     explains why that changes no boundary).
 //
 // A zero byte cannot occur in a valid message; text containing one is refused
 // (ErrNUL).
@@ -145,11 +154,11 @@
 // from the grammar's own nodes, never from a guessed keyword, and the tests
 // and fuzz targets compare the result with the full-tree reference.
 //
-// PlanQuery for a one-statement pgbench query costs about 2 µs (one parse of
-// the query and one of the check), BEGIN; and END; 3-5 µs, a 20-statement
-// string 50 µs, against 15-50 µs and 300-500 µs with the full tree; a
-// Cache hit costs 0.1-0.4 µs. bench_test.go has the benchmarks and the
-// command; the change's report has the numbers.
+// PlanQuery for a one-statement pgbench query costs about 1.5 µs (a parse of
+// the query and one of the check), BEGIN; and END; 3-3.5 µs, a 20-statement
+// string 46 µs; the full tree and a scan would cost 17-19 µs, 3 µs and 250
+// µs. A Cache hit costs 0.07-0.45 µs. bench_test.go has the benchmarks, the
+// command and the numbers.
 //
 // Analyses run in parallel: libpg_query keeps its state per thread, and the
 // copy built by pg_query_go defines DEBUG, so its entry points do not

@@ -68,6 +68,11 @@ const (
 	// contain the byte of a backslash, which the proxy's lexer would misread.
 	// See ClientEncodingSafe.
 	SetClientEncoding
+	// CopyIn is COPY ... FROM STDIN: in the extended protocol the server
+	// enters copy-in mode at its Execute and ignores Sync (and Flush) until
+	// the client's CopyDone or CopyFail, so the proxy must not treat such a
+	// Sync as the end of a unit. It is otherwise like Other.
+	CopyIn
 )
 
 // String returns a short human-readable name, in SQL words where there are
@@ -108,6 +113,8 @@ func (k Kind) String() string {
 		return "SET standard_conforming_strings"
 	case Maintenance:
 		return "VACUUM or DISCARD ALL"
+	case CopyIn:
+		return "COPY FROM STDIN"
 	case SetClientEncoding:
 		return "SET client_encoding"
 	}

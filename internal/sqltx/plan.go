@@ -138,6 +138,9 @@ func plan(sql string, a *analysis, inBlock, failed bool, check string) (QueryPla
 	for _, s := range a.stmts {
 		k := s.Kind
 		if k.CommitPoint() && (st == inside || (st == idle && open)) {
+			if s.Start < copied { // unknown (-1): cannot happen, refuse
+				return QueryPlan{}, errInconsistent
+			}
 			if b.Len() == 0 {
 				b.Grow(len(sql) + 3*(len(check)+2))
 			}

@@ -259,3 +259,36 @@ func TestClientEncodingSafe(t *testing.T) {
 		}
 	}
 }
+
+func TestStdStringsSensitive(t *testing.T) {
+	tests := []struct {
+		sql  string
+		want bool
+	}{
+		{"SELECT 1", false},
+		{`SELECT E'a\'b'`, false},
+		{`SELECT e'\\'`, false},
+		{`SELECT 'a' -- \ in a comment`, false},
+		{`SELECT 'a' /* \' */`, false},
+		{`SELECT $$a\$$`, false},
+		{`SELECT $q$'\'$q$`, false},
+		{`SELECT U&'\0041'`, false},
+		{`SELECT B'01', X'1F', 'x'`, false},
+		{`SELECT "a\b"`, false},
+		{`SELECT 'a\'`, true},
+		{`SELECT 'a\' || ' ; COMMIT; --'`, true},
+		{`SELECT N'a\b'`, true},
+		{"SELECT 'a'\n'b\\'", true},
+		{`SET standard_conforming_strings = off; SELECT 'C:\temp'`, true},
+	}
+	for _, tt := range tests {
+		if got, err := sqltx.StdStringsSensitive(tt.sql); err != nil || got != tt.want {
+			t.Errorf("StdStringsSensitive(%q) = %v, %v; want %v", tt.sql, got, err, tt.want)
+		}
+	}
+	for _, sql := range []string{`SELECT 'open \`, "SELECT '\\'\x00"} {
+		if got, err := sqltx.StdStringsSensitive(sql); err == nil || !got {
+			t.Errorf("StdStringsSensitive(%q) = %v, %v; want true and an error", sql, got, err)
+		}
+	}
+}

@@ -492,6 +492,24 @@ func (s *server) testLexerSettings(t *testing.T) {
 		if o := run(t, conn, sql); len(o.results) != 1 {
 			t.Fatalf("with standard_conforming_strings off: %d results, want 1 (the proxy would see 2)", len(o.results))
 		}
+
+		// The other way round: a COMMIT the proxy cannot see. Its plan,
+		// inside a block, has no check, yet the server commits.
+		hidden := `SELECT 'a\' || ' ; COMMIT; --'`
+		if sensitive, err := sqltx.StdStringsSensitive(hidden); err != nil || !sensitive {
+			t.Fatalf("StdStringsSensitive(%q) = %v, %v", hidden, sensitive, err)
+		}
+		p, err := sqltx.PlanQuery(hidden, true, false, serverCheck)
+		if err != nil || p.Checks != 0 || len(p.Ours) != 1 {
+			t.Fatalf("PlanQuery(%q) = %s, %v", hidden, fmtPlan(p), err)
+		}
+		s.exec(t, conn, "BEGIN; INSERT INTO t VALUES (1)")
+		if o := run(t, conn, p.Text); o.status != 'I' || len(o.tags) != 2 || o.tags[1] != "COMMIT" {
+			t.Fatalf("with standard_conforming_strings off: %v, status %c; want a COMMIT", o.tags, o.status)
+		}
+		if rows := s.reset(t, conn); !slices.Equal(rows, []string{"1"}) {
+			t.Fatalf("rows %v, want the row committed past the proxy", rows)
+		}
 	})
 	t.Run("client_encoding SJIS", func(t *testing.T) {
 		conn := connectServer(t, s.pg)
@@ -546,6 +564,16 @@ func (s *server) testLexerSettings(t *testing.T) {
 			if got := conn.ParameterStatus("standard_conforming_strings"); got != "on" {
 				t.Errorf("%s: standard_conforming_strings %q, want on", reset, got)
 			}
+		}
+		// Neither does SET ROLE or SET SESSION AUTHORIZATION apply a role's
+		// settings.
+		s.exec(t, s.admin, "CREATE ROLE r_off; ALTER ROLE r_off SET standard_conforming_strings = off")
+		for _, set := range []string{"SET ROLE r_off", "SET SESSION AUTHORIZATION r_off"} {
+			s.exec(t, conn, set+"; RESET ALL")
+			if got := conn.ParameterStatus("standard_conforming_strings"); got != "on" {
+				t.Errorf("%s: standard_conforming_strings %q, want on", set, got)
+			}
+			s.exec(t, conn, "RESET SESSION AUTHORIZATION; RESET ROLE")
 		}
 		// A new session starts with the role's setting, and says so in its
 		// startup ParameterStatus: that is where the proxy must look.

@@ -141,8 +141,9 @@ type analysis struct {
 //     with pg_query.Parse to read its node. Parsing a span alone yields the
 //     same tree: a span starts right after a ';' token, where the lexer is in
 //     its initial state, and ends before the next top-level ';'.
-//  3. The first token of a statement comes from pg_query.Scan (PostgreSQL's
-//     lexer), run on the statement's span only where it is needed.
+//  3. First tokens are found only where needed (commit points, or all for
+//     Split), by skipping whitespace or, where a comment may follow, with
+//     pg_query.Scan (PostgreSQL's lexer); see fillStart.
 func analyze(sql string, all bool) (*analysis, error) {
 	if strings.IndexByte(sql, 0) >= 0 {
 		return nil, ErrNUL

@@ -24,6 +24,7 @@ const (
 	CodeSerializationFailure   = "40001"
 	CodeInFailedSQLTransaction = "25P02"
 	CodeReadOnlyTransaction    = "25006"
+	CodeFeatureNotSupported    = "0A000"
 )
 
 // AppendError appends an ErrorResponse message to dst.

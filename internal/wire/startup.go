@@ -69,6 +69,10 @@ type Startup struct {
 // ErrStartup is wrapped by every error about a malformed first packet.
 var ErrStartup = errors.New("invalid startup packet")
 
+// ErrUnsupportedProtocol is wrapped (with ErrStartup) by the error for a
+// protocol version other than 3.x; PostgreSQL reports it as 0A000.
+var ErrUnsupportedProtocol = errors.New("unsupported frontend protocol")
+
 func startupErr(format string, args ...any) error {
 	return fmt.Errorf("%w: %s", ErrStartup, fmt.Sprintf(format, args...))
 }
@@ -121,7 +125,7 @@ func ParseStartup(body []byte) (*Startup, error) {
 		}, nil
 	}
 	if code>>16 != 3 {
-		return nil, startupErr("unsupported frontend protocol %d.%d: server supports 3.0 to 3.x", code>>16, code&0xffff)
+		return nil, fmt.Errorf("%w: %w %d.%d: server supports 3.0 to 3.2", ErrStartup, ErrUnsupportedProtocol, code>>16, code&0xffff)
 	}
 	s := &Startup{Kind: KindStartup, Version: code}
 	// name\0value\0 ... \0, exactly as PostgreSQL's ProcessStartupPacket

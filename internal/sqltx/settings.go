@@ -1,6 +1,11 @@
 package sqltx
 
-import "slices"
+import (
+	"slices"
+	"strings"
+
+	pg_query "github.com/pganalyze/pg_query_go/v6"
+)
 
 // safeEncodingNames lists, under PostgreSQL's normalised spelling (lower case, letters
 // and digits only, as clean_encoding_name in encnames.c makes them), the names
@@ -53,4 +58,43 @@ func ClientEncodingSafe(name string) bool {
 		n++
 	}
 	return slices.Contains(safeEncodingNames(), string(b[:n]))
+}
+
+// StdStringsSensitive reports whether PostgreSQL could lex sql differently
+// with standard_conforming_strings off: whether one of its '...' literals (as
+// lexed with the setting on, as the proxy does) holds a backslash. With the
+// setting off such a literal is read as E'...', where \' does not end it, and
+// code can become string or string code: `SELECT 'a\' || ' ; COMMIT; --'` is
+// one SELECT to the proxy and a SELECT, a COMMIT and a comment to a session
+// with the setting off. Text without such a literal is lexed alike under both
+// settings (the other literals, E'...', U&'...', B'...', X'...' and dollar
+// quotes, do not depend on it).
+//
+// The proxy needs this where it cannot know the setting a message will meet:
+// a ParameterStatus reporting a change made by set_config(...) arrives only
+// after that statement ran, so a message sent behind it in a pipeline is
+// lexed under the new value. A message that is not sensitive is safe either
+// way; a sensitive one should wait until everything before it has completed
+// (ReadyForQuery) and the setting is known to be on. A lexer error returns
+// true with the error (fail closed). Most text has no backslash at all and
+// costs one byte scan.
+func StdStringsSensitive(sql string) (bool, error) {
+	if strings.IndexByte(sql, '\\') < 0 {
+		return false, nil
+	}
+	if strings.IndexByte(sql, 0) >= 0 {
+		return true, ErrNUL
+	}
+	res, err := pg_query.Scan(sql)
+	if err != nil {
+		return true, syntaxError(err)
+	}
+	for _, t := range res.GetTokens() {
+		start, end := int(t.GetStart()), int(t.GetEnd())
+		if t.GetToken() == pg_query.Token_SCONST && start < end && end <= len(sql) && sql[start] == '\'' &&
+			strings.IndexByte(sql[start:end], '\\') >= 0 {
+			return true, nil
+		}
+	}
+	return false, nil
 }
