@@ -67,6 +67,8 @@ type Config struct {
 
 	// MetricsListen serves Prometheus metrics on /metrics (empty: off).
 	MetricsListen string `help:"Address for Prometheus /metrics (empty: off)."`
+	// DebugPprof also serves Go's profiler on MetricsListen (/debug/pprof/).
+	DebugPprof bool `help:"Also serve Go's profiler at /debug/pprof/ on --metrics-listen (for performance work)."`
 
 	// Consul configures token validation (see internal/lease).
 	ConsulAddr     string `help:"Consul HTTP address; empty: tokens are not validated against Consul." name:"consul-addr"`

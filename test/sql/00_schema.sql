@@ -49,11 +49,16 @@ SELECT is_definer('fence', 'check', ARRAY['text', 'bigint']);
 SELECT is_definer('fence', 'check_readonly', ARRAY[]::name[]);
 SELECT is_definer('fence', 'reset', ARRAY['text', 'bigint']);
 
--- SECURITY DEFINER functions pin search_path: a caller's schemas cannot shadow anything.
+-- raise and reset pin search_path; check and check_readonly, on the hot path, resolve nothing
+-- through it instead (migration 2; 40_grants.sql shows hostile search paths change nothing).
 SELECT is(p.proconfig, ARRAY['search_path=pg_catalog, pg_temp'],
           format('%s pins search_path', p.oid::regprocedure))
 FROM pg_proc AS p
-WHERE p.pronamespace = 'fence'::regnamespace
+WHERE p.pronamespace = 'fence'::regnamespace AND p.proname IN ('raise', 'reset')
+ORDER BY p.proname;
+SELECT is(p.proconfig, NULL, format('%s has no SET clause (hot path)', p.oid::regprocedure))
+FROM pg_proc AS p
+WHERE p.pronamespace = 'fence'::regnamespace AND p.proname IN ('check', 'check_readonly')
 ORDER BY p.proname;
 SELECT is((SELECT count(*) FROM pg_proc WHERE pronamespace = 'fence'::regnamespace), 4::bigint,
           'the fence schema holds exactly four functions');

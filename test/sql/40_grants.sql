@@ -8,7 +8,14 @@
 \pset pager off
 
 BEGIN;
-SELECT plan(16);
+SELECT plan(17);
+
+-- Hostile operators for the search_path test below: a stale token compares as not higher.
+CREATE SCHEMA tap_evil;
+CREATE FUNCTION tap_evil.never(bigint, bigint) RETURNS boolean LANGUAGE sql AS 'SELECT false';
+CREATE OPERATOR tap_evil.> (LEFTARG = bigint, RIGHTARG = bigint, FUNCTION = tap_evil.never);
+CREATE OPERATOR tap_evil.<= (LEFTARG = bigint, RIGHTARG = bigint, FUNCTION = tap_evil.never);
+GRANT USAGE ON SCHEMA tap_evil TO PUBLIC;
 
 CREATE ROLE tap_app NOLOGIN;
 DELETE FROM fence.tokens WHERE resource LIKE 'tap-grants%';
@@ -38,6 +45,9 @@ SELECT throws_ok($$CREATE FUNCTION fence.check(text, integer) RETURNS void LANGU
 SELECT throws_ok($$SELECT * FROM fence.goose_db_version$$, '42501', NULL, 'it may not read the version table');
 
 -- A caller's search_path cannot change what the SECURITY DEFINER functions resolve.
+SET LOCAL search_path = tap_evil, pg_catalog, public;
+SELECT throws_ok($$SELECT fence.check('tap-grants', 4)$$, 'ZF001', NULL,
+    'check refuses a stale token even with hostile operators before pg_catalog in search_path');
 SET LOCAL search_path = pg_temp, public;
 SELECT is(fence.raise('tap-grants', 6), 6::bigint, 'raise works whatever the caller''s search_path');
 
