@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"slices"
 	"strings"
 	"time"
 
@@ -52,8 +53,9 @@ import (
 // Names of the proxy's own prepared statement and portal. They are closed
 // before every use, so a leftover from a failed unit never collides.
 const (
-	ownStmt   = "__fenceproxy_s"
-	ownPortal = "__fenceproxy_p"
+	ownStmt     = "__fenceproxy_s"
+	ownPortal   = "__fenceproxy_p"
+	ownPrepared = "__fenceproxy_check" // the check, prepared at session start
 )
 
 type entryKind uint8
@@ -355,6 +357,9 @@ func (sess *session) serverError(body []byte) error {
 		sess.srv.metrics.rejection(e.refusal.Code)
 		return sess.writeClientError(e.refusal.Response(wire.SeverityError))
 	case e.check && derr == nil:
+		if resp.Code == "26000" { // our prepared check is gone: send its text from now on
+			sess.ownPrepared.Store(false)
+		}
 		e.unit.checkFailed = true
 		sess.srv.metrics.checkFailure()
 		return sess.writeClientError(sess.translateCheckError(resp))
@@ -462,7 +467,8 @@ type cstate struct {
 	hasExecute bool
 	unit       *unit
 
-	ownCheck []byte // the check as Close, Close, Parse, Bind, Execute messages
+	ownCheck         []byte // the check as Close, Close, Parse, Bind, Execute messages
+	ownPreparedCheck []byte // the prepared check as Close, Bind, Execute messages
 
 	// copyRes is set after an Execute of COPY FROM STDIN until the client's
 	// CopyDone/CopyFail, or until the server refused the COPY: while the
@@ -667,6 +673,7 @@ func (sess *session) clientToServerFenced() error {
 		pred:    'I',
 	}
 	c.ownCheck = ownStatementMessages(nil, sess.checkSQL)
+	c.ownPreparedCheck = preparedCheckMessages()
 	for {
 		if err := sess.flushServerIfIdle(); err != nil {
 			return err
@@ -906,6 +913,9 @@ func (sess *session) onClose(c *cstate) error {
 	switch body[0] {
 	case 'S':
 		delete(c.stmts, name)
+		if name == ownPrepared {
+			sess.ownPrepared.Store(false)
+		}
 	case 'P':
 		delete(c.portals, name)
 	}
@@ -926,6 +936,9 @@ func (sess *session) onExecute(c *cstate) error {
 	c.begin(sess)
 	c.hasExecute = true
 	kind := c.portals[portal]
+	if dropsPrepared(kind) {
+		sess.ownPrepared.Store(false)
+	}
 	// A stale session's statements are refused before they run, except those
 	// that end its transaction: commit points go through the check, which
 	// fails against the database and leaves the session idle (obligation 4).
@@ -1025,6 +1038,14 @@ func (sess *session) endUnit(c *cstate, kind entryKind, typ byte, body []byte) e
 // injectCheck sends the proxy's check before the message being handled.
 func (sess *session) injectCheck(c *cstate) error {
 	sess.srv.metrics.check()
+	if sess.ownPrepared.Load() {
+		c.push(sess,
+			&entry{kind: eClose, ours: true},
+			&entry{kind: eBind, ours: true},
+			&entry{kind: eExecute, ours: true, check: true},
+		)
+		return sess.writeServerRaw(c.ownPreparedCheck)
+	}
 	c.push(sess,
 		&entry{kind: eClose, ours: true},
 		&entry{kind: eClose, ours: true},
@@ -1059,6 +1080,29 @@ func (sess *session) refuse(c *cstate, fe *fence.Error) error {
 func refusalSQL(fe *fence.Error) string {
 	return "DO $fenceproxy$BEGIN RAISE EXCEPTION USING ERRCODE = '" + fe.Code + "', MESSAGE = '" +
 		strings.ReplaceAll(strings.ReplaceAll(fe.Message, "'", "''"), "$fenceproxy$", "") + "'; END$fenceproxy$"
+}
+
+// preparedCheckMessages are Close portal, Bind and Execute of the prepared
+// check under the proxy's own portal name.
+func preparedCheckMessages() []byte {
+	dst := wire.AppendMessage(nil, 'C', append([]byte{'P'}, ownPortal+"\x00"...))
+	bind := append([]byte(ownPortal+"\x00"+ownPrepared+"\x00"), 0, 0, 0, 0, 0, 0)
+	dst = wire.AppendMessage(dst, 'B', bind)
+	return wire.AppendMessage(dst, 'E', append([]byte(ownPortal+"\x00"), 0, 0, 0, 0))
+}
+
+// checkText is the check a simple Query carries.
+func (sess *session) checkText() string {
+	if sess.ownPrepared.Load() {
+		return "EXECUTE " + ownPrepared
+	}
+	return sess.checkSQL
+}
+
+// dropsPrepared reports whether a statement of kind k may remove the
+// proxy's prepared check.
+func dropsPrepared(k sqltx.Kind) bool {
+	return k == sqltx.Deallocate || k == sqltx.Maintenance // DISCARD ALL
 }
 
 // ownStatementMessages appends Close portal, Close statement, Parse, Bind and
@@ -1096,13 +1140,18 @@ func (sess *session) onQuery(c *cstate) error {
 		return sess.refuseQuery(c, sess.parseRefusal(err))
 	}
 	st := c.current()
-	plan, perr := sess.srv.sqlCache.PlanQuery(sql, st != 'I', c.failed(), sess.checkSQL)
+	plan, perr := sess.srv.sqlCache.PlanQuery(sql, st != 'I', c.failed(), sess.checkText())
+	if perr == nil && slices.ContainsFunc(plan.Kinds, dropsPrepared) && sess.ownPrepared.Load() {
+		// The string may deallocate the prepared check before it runs.
+		sess.ownPrepared.Store(false)
+		plan, perr = sess.srv.sqlCache.PlanQuery(sql, st != 'I', c.failed(), sess.checkText())
+	}
 	if perr == nil && !c.exact && (st != 'I' || plan.Checks > finalChecks(plan)) {
 		if err := c.ensureExact(sess); err != nil {
 			return err
 		}
 		st = c.current()
-		plan, perr = sess.srv.sqlCache.PlanQuery(sql, st != 'I', c.failed(), sess.checkSQL)
+		plan, perr = sess.srv.sqlCache.PlanQuery(sql, st != 'I', c.failed(), sess.checkText())
 	}
 	if perr != nil {
 		if !errors.Is(perr, sqltx.ErrNeedsOwnTransaction) {

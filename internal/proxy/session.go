@@ -42,6 +42,11 @@ type session struct {
 
 	clientTLS bool // the client connection is TLS
 
+	// ownPrepared is true while the check is prepared on the server under
+	// the name ownPrepared (DEALLOCATE, DISCARD ALL or a Close by the
+	// client make it false for good: the proxy then sends the check's text).
+	ownPrepared atomic.Bool
+
 	cred     fence.Credentials
 	mode     checkMode
 	checkSQL string
@@ -465,19 +470,28 @@ func (sess *session) noteParameter(body []byte) {
 // client sees ReadyForQuery, and refuses the session if a higher token is
 // already stored.
 func (sess *session) afterLogin(ctx context.Context) error {
-	if sess.mode != modeFenced {
+	if sess.mode == modePassthrough {
 		return nil
 	}
 	c := sess.cred
-	q, err := fence.RaiseSQL(c.Resource, c.Token)
-	if err != nil {
-		return fatalf(fence.CodeMalformed, "%v", err)
+	// The check is prepared once per session: PostgreSQL then neither
+	// parses nor plans it again at every commit (measured: that was most of
+	// the check's cost). If the client deallocates it, the proxy falls back
+	// to sending the check's text (see ownPrepared).
+	prepare := "PREPARE " + ownPrepared + " AS " + sess.checkSQL
+	q := prepare
+	if sess.mode == modeFenced {
+		raise, err := fence.RaiseSQL(c.Resource, c.Token)
+		if err != nil {
+			return fatalf(fence.CodeMalformed, "%v", err)
+		}
+		// Its own short transaction, READ COMMITTED and READ WRITE whatever
+		// the session's defaults (default_transaction_isolation or _read_only
+		// given in the startup options): under REPEATABLE READ two racing
+		// raises would fail with 40001, and a read-only default would refuse
+		// the raise.
+		q = "BEGIN ISOLATION LEVEL READ COMMITTED READ WRITE; " + raise + "; COMMIT; " + prepare
 	}
-	// Its own short transaction, READ COMMITTED and READ WRITE whatever the
-	// session's defaults (default_transaction_isolation or _read_only given
-	// in the startup options): under REPEATABLE READ two racing raises would
-	// fail with 40001, and a read-only default would refuse the raise.
-	q = "BEGIN ISOLATION LEVEL READ COMMITTED READ WRITE; " + q + "; COMMIT"
 	if err := wire.WriteMessage(sess.sw, 'Q', append([]byte(q), 0)); err != nil {
 		return err
 	}
@@ -514,6 +528,14 @@ func (sess *session) afterLogin(ctx context.Context) error {
 		case 'N', 'A':
 			// Notices of our own statement are not the client's business.
 		case 'Z':
+			if serverErr != nil && sess.mode == modeReadOnly {
+				return fatalf(fence.CodeUnavailable, "fenceproxy could not prepare the read-only check: %s (SQLSTATE %s); is the fence schema installed in this database (fenceproxy migrate)?",
+					serverErr.Message, serverErr.Code)
+			}
+			if sess.mode == modeReadOnly {
+				sess.ownPrepared.Store(true)
+				return nil
+			}
 			if serverErr != nil {
 				if serverErr.Code[:2] == "ZF" {
 					return &fatal{resp: &pgproto3.ErrorResponse{Severity: wire.SeverityFatal, Code: serverErr.Code,
@@ -538,6 +560,7 @@ func (sess *session) afterLogin(ctx context.Context) error {
 			if stored > c.Token {
 				return fatalFence(fence.Stale(c.Resource, c.Token, stored))
 			}
+			sess.ownPrepared.Store(true)
 			sess.sub = sess.srv.reg.Subscribe(c.Resource, c.Token, fence.Handler{Stale: sess.onStale, Blocked: sess.onBlocked})
 			return nil
 		}

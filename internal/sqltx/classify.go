@@ -24,6 +24,8 @@ func kindOf(n *pg_query.Node) Kind {
 		return Do
 	case *pg_query.Node_VariableSetStmt:
 		return setKind(s.VariableSetStmt)
+	case *pg_query.Node_DeallocateStmt:
+		return Deallocate
 	case *pg_query.Node_CopyStmt:
 		c := s.CopyStmt
 		if c.GetIsFrom() && !c.GetIsProgram() && c.GetFilename() == "" {

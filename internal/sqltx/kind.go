@@ -73,6 +73,9 @@ const (
 	// the client's CopyDone or CopyFail, so the proxy must not treat such a
 	// Sync as the end of a unit. It is otherwise like Other.
 	CopyIn
+	// Deallocate is DEALLOCATE [PREPARE] name or ALL: it may remove the
+	// proxy's own prepared check, which the proxy then prepares no more.
+	Deallocate
 )
 
 // String returns a short human-readable name, in SQL words where there are
@@ -115,6 +118,8 @@ func (k Kind) String() string {
 		return "VACUUM or DISCARD ALL"
 	case CopyIn:
 		return "COPY FROM STDIN"
+	case Deallocate:
+		return "DEALLOCATE"
 	case SetClientEncoding:
 		return "SET client_encoding"
 	}

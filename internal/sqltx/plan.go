@@ -83,8 +83,16 @@ func validateCheck(check string) error {
 		return ErrInvalidCheck
 	}
 	utility, err := pg_query.IsUtilityStmt(check)
-	if err != nil || len(utility) != 1 || utility[0] {
+	if err != nil || len(utility) != 1 {
 		return ErrInvalidCheck
+	}
+	if utility[0] {
+		// The one utility statement allowed: EXECUTE of the caller's own
+		// prepared check, which runs a DML statement.
+		tree, err := pg_query.Parse(check)
+		if err != nil || len(tree.GetStmts()) != 1 || tree.GetStmts()[0].GetStmt().GetExecuteStmt() == nil {
+			return ErrInvalidCheck
+		}
 	}
 	if !strings.Contains(check, ";") && !strings.Contains(check, "--") && !strings.Contains(check, "/*") {
 		return nil
@@ -236,8 +244,8 @@ func next(st block, open bool, k Kind) (block, bool) {
 }
 
 // verify re-reads a plan with inserted checks through the parser: the text must
-// split into exactly len(Ours) statements, each check a DML statement and each
-// client statement what it was. This costs one more parse, only for strings
+// split into exactly len(Ours) statements, each client statement what it was
+// (utility or not; the checks were validated on their own). This costs one more parse, only for strings
 // that commit, and turns any blind spot in the construction above into a
 // refusal instead of a check the server does not run.
 func verify(p QueryPlan, a *analysis) error {
@@ -247,14 +255,15 @@ func verify(p QueryPlan, a *analysis) error {
 	}
 	j := 0
 	for i, ours := range p.Ours {
-		want := false
-		if !ours {
-			want = a.utility[j]
-			j++
+		if ours {
+			// The check was validated on its own (validateCheck): a DML
+			// statement, or EXECUTE of the caller's prepared check.
+			continue
 		}
-		if utility[i] != want {
+		if utility[i] != a.utility[j] {
 			return errInconsistent
 		}
+		j++
 	}
 	return nil
 }
