@@ -173,7 +173,7 @@ func TestPostgresURL(t *testing.T) {
 		want string
 	}{
 		{"plain", pg.URL("app", "db"), "postgres://app@127.0.0.1:5999/db?sslmode=disable"},
-		{"params", pg.URL("app", "db", "application_name=x y"), "postgres://app@127.0.0.1:5999/db?application_name=x+y&sslmode=disable"},
+		{"params", pg.URL("app", "db", "application_name=x y"), "postgres://app@127.0.0.1:5999/db?application_name=x%20y&sslmode=disable"},
 		{"sslmode overrides", pg.URL("app", "db", "sslmode=require"), "postgres://app@127.0.0.1:5999/db?sslmode=require"},
 		{"password escaped", pg.URLWithPassword("app", "p@ss/w:rd", "db"), "postgres://app:p%40ss%2Fw%3Ard@127.0.0.1:5999/db?sslmode=disable"},
 		{"admin", pg.AdminURL(), "postgres://postgres:postgres@127.0.0.1:5999/postgres?sslmode=disable"},
