@@ -475,6 +475,10 @@ type cstate struct {
 	// server is in copy-in mode it ignores Sync and Flush, which then must
 	// not end the unit nor carry a check.
 	copyRes chan bool
+
+	// barrier is set after a unit with a check before an explicit COMMIT:
+	// the next client message waits until that unit is answered.
+	barrier bool
 }
 
 func apply(st byte, k sqltx.Kind) byte {
@@ -681,6 +685,12 @@ func (sess *session) clientToServerFenced() error {
 		typ, _, err := sess.cr.Next()
 		if err != nil {
 			return sess.clientReadError(err)
+		}
+		if c.barrier {
+			if _, err := sess.waitIdle(); err != nil {
+				return err
+			}
+			c.barrier = false
 		}
 		if c.copyRes != nil {
 			handled, err := sess.duringCopy(c, typ)
@@ -1028,9 +1038,12 @@ func (sess *session) endUnit(c *cstate, kind entryKind, typ byte, body []byte) e
 		return err
 	}
 	if u.rollbackOnFail {
-		if _, err := sess.waitIdle(); err != nil {
-			return err
-		}
+		// Nothing more of the client's may reach the server before this
+		// unit's outcome is known (the proxy may have to roll back): the next
+		// message waits for it (see clientToServerFenced). The client almost
+		// always waits for the answer itself, so this costs nothing then.
+		c.barrier = true
+		return sess.flushServer()
 	}
 	return nil
 }
@@ -1039,6 +1052,18 @@ func (sess *session) endUnit(c *cstate, kind entryKind, typ byte, body []byte) e
 func (sess *session) injectCheck(c *cstate) error {
 	sess.srv.metrics.check()
 	if sess.ownPrepared.Load() {
+		if c.exact {
+			// Every place a check goes ends the transaction right after it
+			// (a commit point, or a Sync in an implicit transaction), and a
+			// transaction's end drops the portal: when the state is known
+			// exactly, the portal cannot be left from an earlier check and
+			// needs no Close first.
+			c.push(sess,
+				&entry{kind: eBind, ours: true},
+				&entry{kind: eExecute, ours: true, check: true},
+			)
+			return sess.writeServerRaw(c.ownPreparedCheck[closePortalLen:])
+		}
 		c.push(sess,
 			&entry{kind: eClose, ours: true},
 			&entry{kind: eBind, ours: true},
@@ -1081,6 +1106,10 @@ func refusalSQL(fe *fence.Error) string {
 	return "DO $fenceproxy$BEGIN RAISE EXCEPTION USING ERRCODE = '" + fe.Code + "', MESSAGE = '" +
 		strings.ReplaceAll(strings.ReplaceAll(fe.Message, "'", "''"), "$fenceproxy$", "") + "'; END$fenceproxy$"
 }
+
+// closePortalLen is the length of the Close message that starts
+// preparedCheckMessages.
+const closePortalLen = 1 + 4 + 1 + len(ownPortal) + 1 // type, length, 'P', name, NUL
 
 // preparedCheckMessages are Close portal, Bind and Execute of the prepared
 // check under the proxy's own portal name.
