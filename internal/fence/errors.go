@@ -123,6 +123,15 @@ func Unavailable(resource, why string) *Error {
 	}
 }
 
+// Regression is the fail-closed refusal after Consul's LockIndex for the
+// resource went backwards (why says what was seen).
+func Regression(resource, why string) *Error {
+	fe := Unavailable(resource, "LockIndex regression: "+why)
+	fe.Hint = "An operator must reset the resource: `fenceproxy fence reset --resource " + resource +
+		" --token <current LockIndex>` on the database, then restart the proxies (README: LockIndex regressions)."
+	return fe
+}
+
 // Missing is the refusal of a session without a token.
 func Missing(why string) *Error {
 	return &Error{

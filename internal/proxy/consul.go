@@ -206,10 +206,7 @@ func (g *Guard) Admit(ctx context.Context, c fence.Credentials) error {
 }
 
 func regressionError(resource string, re *lease.RegressionError) *fence.Error {
-	fe := fence.Unavailable(resource, fmt.Sprintf("Consul's LockIndex for lock %q went backwards: %s", re.Key, re.Reason))
-	fe.Hint = "An operator must reset the resource: `fenceproxy fence reset --resource " + resource +
-		" --token <current LockIndex>` on the database, then restart the proxies (README: LockIndex regressions)."
-	return fe
+	return fence.Regression(resource, fmt.Sprintf("Consul's LockIndex for lock %q went backwards: %s", re.Key, re.Reason))
 }
 
 // onChange reacts to a lock's new state (called by the watcher, in order per key).

@@ -87,7 +87,6 @@ type entry struct {
 type unit struct {
 	rollbackOnFail bool // a check before an explicit COMMIT: ROLLBACK if it fails
 	checkFailed    bool
-	internal       *unit // set on the proxy's own ROLLBACK: the client's unit it completes
 }
 
 // relay runs both directions until either side closes or fails.
@@ -141,7 +140,7 @@ func (sess *session) serverToClientPlain() error {
 		if err := sess.flushClientIfIdle(); err != nil {
 			return err
 		}
-		typ, n, err := sess.sr.Next()
+		typ, _, err := sess.sr.Next()
 		if err != nil {
 			return sess.serverReadError(err)
 		}
@@ -168,7 +167,6 @@ func (sess *session) serverToClientPlain() error {
 				return err
 			}
 		default:
-			_ = n
 			if err := sess.copyClient(); err != nil {
 				return err
 			}
@@ -206,24 +204,6 @@ func (sess *session) readyForQuery(status byte) {
 		sess.flushClientIfIdle() //nolint:errcheck
 		sess.closeForShutdown()
 	}
-}
-
-func (sess *session) head() *entry {
-	sess.mu.Lock()
-	defer sess.mu.Unlock()
-	if len(sess.queue) == 0 {
-		return nil
-	}
-	return sess.queue[0]
-}
-
-func (sess *session) pop() {
-	sess.mu.Lock()
-	if len(sess.queue) > 0 {
-		sess.queue[0] = nil
-		sess.queue = sess.queue[1:]
-	}
-	sess.mu.Unlock()
 }
 
 // popThroughEnd removes entries up to and including the first end entry
@@ -303,7 +283,7 @@ func (sess *session) serverToClientFenced() error {
 			}
 			continue
 		}
-		e := sess.head()
+		e := sess.answer(typ)
 		if e == nil || !e.ours {
 			if err := sess.copyClient(); err != nil {
 				return err
@@ -311,42 +291,49 @@ func (sess *session) serverToClientFenced() error {
 		} else if err := sess.sr.Discard(); err != nil {
 			return err
 		}
-		if e == nil {
-			continue
-		}
-		if typ == 'G' && e.copyRes != nil {
+		if typ == 'G' && e != nil && e.copyRes != nil {
 			e.copyRes <- true
 			e.copyRes = nil
 		}
-		// Which responses complete the head entry.
-		switch typ {
-		case '1', '2', '3', 'V':
-			sess.pop()
-		case 'n':
-			if e.kind == eDescribe {
-				sess.pop()
-			}
-		case 'T':
-			if e.kind == eDescribe {
-				sess.pop()
-			}
-		case 'C', 'I', 's':
-			if e.kind == eExecute || e.kind == eStmt {
-				sess.pop()
-			}
-		}
 	}
+}
+
+// answer returns the entry a server message of type typ answers (nil: none
+// expected) and removes it from the queue when typ completes it, under one
+// lock: this runs for every message the server sends.
+func (sess *session) answer(typ byte) *entry {
+	sess.mu.Lock()
+	defer sess.mu.Unlock()
+	if len(sess.queue) == 0 {
+		return nil
+	}
+	e := sess.queue[0]
+	var done bool
+	switch typ {
+	case '1', '2', '3', 'V': // ParseComplete, BindComplete, CloseComplete, FunctionCallResponse
+		done = true
+	case 'n', 'T': // NoData, RowDescription: the end of a Describe (a Query's rows go on)
+		done = e.kind == eDescribe
+	case 'C', 'I', 's': // CommandComplete, EmptyQueryResponse, PortalSuspended
+		done = e.kind == eExecute || e.kind == eStmt
+	case 'E': // ErrorResponse: the rest of the unit is skipped, up to its end entry
+		done = e.kind != eSync && e.kind != eQueryEnd
+	}
+	if done {
+		sess.queue[0] = nil
+		sess.queue = sess.queue[1:]
+	}
+	return e
 }
 
 // serverError relays (or translates) an ErrorResponse and completes the
 // entry it answers; the server skips the rest of the unit, whose entries are
 // dropped at its ReadyForQuery.
 func (sess *session) serverError(body []byte) error {
-	e := sess.head()
+	e := sess.answer('E')
 	if e == nil || e.kind == eSync || e.kind == eQueryEnd {
 		return sess.writeClient('E', body)
 	}
-	sess.pop()
 	if e.copyRes != nil {
 		e.copyRes <- false // the COPY failed before copy-in mode
 		e.copyRes = nil
@@ -364,12 +351,18 @@ func (sess *session) serverError(body []byte) error {
 		sess.srv.metrics.checkFailure()
 		return sess.writeClientError(sess.translateCheckError(resp))
 	case derr == nil && resp.Code == wire.CodeQueryCanceled && sess.stale.Load() && sess.cancelSent.Load():
-		fe := fence.Stale(sess.cred.Resource, sess.cred.Token, sess.admitted.Load())
-		fe.Detail = "The query was cancelled because another holder of the lock was admitted with a higher token."
-		sess.srv.metrics.rejection(fe.Code)
-		return sess.writeClientError(fe.Response(wire.SeverityError))
+		return sess.writeClientError(sess.staleCancel())
 	}
 	return sess.writeClient('E', body)
+}
+
+// staleCancel is the fencing error that replaces the query_canceled error
+// of a query the proxy cancelled because its session went stale.
+func (sess *session) staleCancel() *pgproto3.ErrorResponse {
+	fe := fence.Stale(sess.cred.Resource, sess.cred.Token, sess.admitted.Load())
+	fe.Detail = "The query was cancelled because another holder of the lock was admitted with a higher token."
+	sess.srv.metrics.rejection(fe.Code)
+	return fe.Response(wire.SeverityError)
 }
 
 // translateCheckError turns what the check raised into the fencing error.
@@ -388,19 +381,11 @@ func (sess *session) translateCheckError(resp *pgproto3.ErrorResponse) *pgproto3
 		return fe.Response(wire.SeverityError)
 	case wire.CodeQueryCanceled:
 		if sess.stale.Load() {
-			fe := fence.Stale(sess.cred.Resource, sess.cred.Token, sess.admitted.Load())
-			sess.srv.metrics.rejection(fe.Code)
-			return fe.Response(wire.SeverityError)
+			return sess.staleCancel()
 		}
 	}
 	if strings.HasPrefix(resp.Code, "ZF") {
 		sess.srv.metrics.rejection(resp.Code)
-		if resp.Code == fence.CodeStale {
-			var tok int64
-			if _, err := fmt.Sscanf(resp.Message[strings.LastIndexByte(resp.Message, ' ')+1:], "%d", &tok); err == nil {
-				sess.srv.reg.Observe(sess.cred.Resource, tok)
-			}
-		}
 	}
 	return resp
 }
@@ -408,31 +393,14 @@ func (sess *session) translateCheckError(resp *pgproto3.ErrorResponse) *pgproto3
 // serverReady handles a ReadyForQuery: it completes the unit, or first rolls
 // back a block whose commit check failed.
 func (sess *session) serverReady(status byte) error {
-	end := sess.popThroughEnd()
-	if end == nil {
-		if err := sess.writeClient('Z', []byte{status}); err != nil {
-			return err
-		}
-		sess.readyForQuery(status)
-		return nil
-	}
-	u := end.unit
-	if u.internal != nil {
-		// Our ROLLBACK is done: the client's COMMIT ends with the session idle.
-		if err := sess.writeClient('Z', []byte{status}); err != nil {
-			return err
-		}
-		sess.readyForQuery(status)
-		return nil
-	}
-	if u.checkFailed && u.rollbackOnFail && status == 'E' {
+	if end := sess.popThroughEnd(); end != nil && end.unit.checkFailed && end.unit.rollbackOnFail && status == 'E' {
 		// The client's COMMIT was skipped after the failed check. End the
 		// failed block so that the client sees what a failed deferred
 		// constraint shows: its COMMIT failed and the session is idle.
-		// The client is blocked at a barrier (see clientToServer), so
-		// nothing of its own can be forwarded before this ROLLBACK.
-		rb := &unit{internal: u}
-		sess.push(&entry{kind: eStmt, ours: true}, &entry{kind: eQueryEnd, ours: true, unit: rb})
+		// The client's next message waits at the barrier (cstate.barrier),
+		// so nothing of its own can reach the server before this ROLLBACK,
+		// whose ReadyForQuery then completes the client's unit.
+		sess.push(&entry{kind: eStmt, ours: true}, &entry{kind: eQueryEnd, ours: true, unit: &unit{}})
 		sess.swMu.Lock()
 		err := wire.WriteMessage(sess.sw, 'Q', []byte("ROLLBACK\x00"))
 		if err == nil {
@@ -1214,8 +1182,8 @@ func (sess *session) onQuery(c *cstate) error {
 		es = append(es, &entry{kind: eStmt})
 	}
 	c.push(sess, es...)
-	// The Query ends the unit and carries the plan's own state.
-	c.kinds = append(c.kinds, planKinds(plan)...)
+	// The Query ends the unit; its statements decide the state after it.
+	c.kinds = append(c.kinds, plan.Kinds...)
 	out := make([]byte, 0, len(plan.Text)+1)
 	out = append(out, plan.Text...)
 	out = append(out, 0)
@@ -1229,15 +1197,6 @@ func finalChecks(p sqltx.QueryPlan) int {
 		return 1
 	}
 	return 0
-}
-
-// planKinds summarises a plan's effect on the block state for the
-// prediction of the next unit.
-func planKinds(p sqltx.QueryPlan) []sqltx.Kind {
-	if p.EndsInBlock {
-		return []sqltx.Kind{sqltx.RollbackChain} // "in a block"
-	}
-	return []sqltx.Kind{sqltx.Rollback} // "idle"
 }
 
 // harmlessQuery reports whether a stale session's Query only ends its

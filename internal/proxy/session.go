@@ -125,8 +125,9 @@ func (s *Server) handle(ctx context.Context, conn net.Conn) {
 				s.metrics.rejection(f.resp.Code)
 			}
 			sess.log.Info("session refused", zap.String("sqlstate", f.resp.Code), zap.String("reason", f.resp.Message))
-			conn.SetWriteDeadline(time.Now().Add(time.Second)) //nolint:errcheck
-			conn.Write(wire.AppendError(nil, f.resp))          //nolint:errcheck // the connection closes anyway
+			// sess.client, not conn: after an SSLRequest the error goes over TLS.
+			sess.client.SetWriteDeadline(time.Now().Add(time.Second)) //nolint:errcheck
+			sess.client.Write(wire.AppendError(nil, f.resp))          //nolint:errcheck // the connection closes anyway
 		} else if !errors.Is(err, errCancelHandled) && !errors.Is(err, io.EOF) {
 			s.metrics.sessionOutcome("error")
 			sess.log.Debug("session ended during startup", zap.Error(err))
@@ -156,9 +157,12 @@ func (sess *session) start(ctx context.Context, clients int64) error {
 	loginCtx, cancel := context.WithTimeout(ctx, s.cfg.LoginTimeout)
 	defer cancel()
 	var timedOut atomic.Bool
+	// The raw connection: login replaces sess.client after a TLS handshake,
+	// and a deadline on the raw connection stops TLS reads too.
+	raw := sess.client
 	stop := context.AfterFunc(loginCtx, func() {
 		timedOut.Store(true)
-		sess.client.SetDeadline(time.Now()) //nolint:errcheck
+		raw.SetDeadline(time.Now()) //nolint:errcheck
 		if sc := sess.serverConn(); sc != nil {
 			sc.SetDeadline(time.Now()) //nolint:errcheck
 		}
@@ -551,8 +555,7 @@ func (sess *session) afterLogin(ctx context.Context) error {
 				// Consul just said this token is the current LockIndex, yet the
 				// database admitted a higher one: Consul's numbers went backwards
 				// (key re-created, plain PUT, snapshot restore). Fail closed and say so.
-				fe := fence.Unavailable(c.Resource, fmt.Sprintf("LockIndex regression: Consul's current LockIndex is %d but the database already admitted token %d", c.Token, stored))
-				fe.Hint = "An operator must reset the resource: `fenceproxy fence reset --resource " + c.Resource + " --token <current LockIndex>` (README: LockIndex regressions)."
+				fe := fence.Regression(c.Resource, fmt.Sprintf("Consul's current LockIndex is %d but the database already admitted token %d", c.Token, stored))
 				sess.log.Error("failing closed: stored token above Consul's LockIndex", zap.Int64("stored", stored))
 				return fatalFence(fe)
 			}

@@ -242,3 +242,14 @@ func TestPsqlFenced(t *testing.T) {
 }
 
 func itoa(i int) string { return strconvItoa(i) }
+
+// TestRefusalOverTLS: a session refused at startup after the TLS switch
+// gets its error over TLS, readable by the client.
+func TestRefusalOverTLS(t *testing.T) {
+	pg, _ := fencedDB(t)
+	ca := newCA(t)
+	cert, key := ca.issue(t, "proxy")
+	p := fencedProxy(t, pg, func(c *proxy.Config) { c.TLSCert, c.TLSKey = cert, key })
+	wantCode(t, connectErr(p.URL("app", "postgres", "sslmode=require")), fence.CodeMissing)
+	wantCode(t, connectErr(p.URL("app", "postgres", "sslmode=require", "fence.resource=billing", "fence.token=x")), fence.CodeMalformed)
+}
