@@ -159,9 +159,6 @@ func (g *Guard) Run(ctx context.Context) error {
 	return g.watcher.Run(ctx)
 }
 
-// Watcher exposes the Consul watcher (for the operator's Reset).
-func (g *Guard) Watcher() *lease.Watcher { return g.watcher }
-
 // Validates reports whether the Guard checks resource's tokens against Consul.
 func (g *Guard) Validates(resource string) bool {
 	_, ok := g.keys[resource]

@@ -1133,9 +1133,8 @@ func (sess *session) onQuery(c *cstate) error {
 	if err := sess.settingsKnown(c, sql); err != nil {
 		return sess.refuseQuery(c, sess.parseRefusal(err))
 	}
-	if err := sess.lexUnsafe(); err != nil {
-		return sess.refuseQuery(c, sess.parseRefusal(err))
-	}
+	// The session's lexing settings are checked with the plan's statements
+	// below (lexUnsafe): a plan made under other settings is never sent.
 	st := c.current()
 	plan, perr := sess.srv.sqlCache.PlanQuery(sql, st != 'I', c.failed(), sess.checkText())
 	if perr == nil && slices.ContainsFunc(plan.Kinds, dropsPrepared) && sess.ownPrepared.Load() {

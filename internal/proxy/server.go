@@ -84,20 +84,8 @@ func New(cfg Config, opts Options) (*Server, error) {
 // Registry returns the server's token registry.
 func (s *Server) Registry() *fence.Registry { return s.reg }
 
-// Resources returns the configured resources.
-func (s *Server) Resources() []Resource { return append([]Resource(nil), s.cfg.resources...) }
-
 // Addr is the configured listen address.
 func (s *Server) Addr() string { return s.cfg.Listen }
-
-// ListenAndServe listens on the configured address and serves until ctx is done.
-func (s *Server) ListenAndServe(ctx context.Context) error {
-	ln, err := net.Listen("tcp", s.cfg.Listen)
-	if err != nil {
-		return err
-	}
-	return s.Serve(ctx, ln)
-}
 
 // Serve accepts clients on ln until ctx is done. Then it stops accepting,
 // closes sessions as soon as they are idle between transactions, gives the

@@ -12,19 +12,17 @@ const (
 
 // Standard SQLSTATEs the proxy itself reports.
 const (
-	CodeProtocolViolation      = "08P01"
-	CodeConnectionFailure      = "08006"
-	CodeCannotConnectNow       = "57P03"
-	CodeTooManyConnections     = "53300"
-	CodeProgramLimitExceeded   = "54000"
-	CodeAdminShutdown          = "57P01"
-	CodeInvalidAuthorization   = "28000"
-	CodeSyntaxError            = "42601"
-	CodeQueryCanceled          = "57014"
-	CodeSerializationFailure   = "40001"
-	CodeInFailedSQLTransaction = "25P02"
-	CodeReadOnlyTransaction    = "25006"
-	CodeFeatureNotSupported    = "0A000"
+	CodeProtocolViolation    = "08P01"
+	CodeConnectionFailure    = "08006"
+	CodeCannotConnectNow     = "57P03"
+	CodeTooManyConnections   = "53300"
+	CodeProgramLimitExceeded = "54000"
+	CodeAdminShutdown        = "57P01"
+	CodeInvalidAuthorization = "28000"
+	CodeSyntaxError          = "42601"
+	CodeQueryCanceled        = "57014"
+	CodeSerializationFailure = "40001"
+	CodeFeatureNotSupported  = "0A000"
 )
 
 // AppendError appends an ErrorResponse message to dst.
@@ -38,11 +36,6 @@ func AppendError(dst []byte, e *pgproto3.ErrorResponse) []byte {
 		panic(err)
 	}
 	return out
-}
-
-// AppendReadyForQuery appends a ReadyForQuery message with the given status.
-func AppendReadyForQuery(dst []byte, status byte) []byte {
-	return AppendMessage(dst, 'Z', []byte{status})
 }
 
 // DecodeError decodes an ErrorResponse or NoticeResponse body.

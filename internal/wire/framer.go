@@ -92,19 +92,6 @@ func (r *Reader) Body() ([]byte, error) {
 	return b, nil
 }
 
-// Peek returns up to n bytes of the current body without consuming them,
-// limited by the reader's buffer size.
-func (r *Reader) Peek(n int) ([]byte, error) {
-	if n > r.pending {
-		n = r.pending
-	}
-	if n > r.br.Size() {
-		n = r.br.Size()
-	}
-	b, err := r.br.Peek(n)
-	return b, unexpected(err)
-}
-
 // CopyBody writes the current message (header included) to w, streaming
 // the body.
 func (r *Reader) CopyBody(w *bufio.Writer) error {
