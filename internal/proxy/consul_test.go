@@ -343,3 +343,19 @@ func TestConsulOutageUnderLoad(t *testing.T) {
 	}
 	t.Logf("writes during the test: %d", ok.Load())
 }
+
+// TestConsulDownTrustDatabase: with --consul-down=trust-database, new
+// sessions are admitted on the database's word while Consul is down, and a
+// token lower than the stored one is still refused.
+func TestConsulDownTrustDatabase(t *testing.T) {
+	s := startConsulProxy(t, func(c *proxy.Config) { c.ConsulDownMode = proxy.ConsulDownTrustDatabase })
+	sess0, _ := consulLock(t, s.client, "locks/billing")
+	if _, err := s.client.Session().Destroy(sess0, nil); err != nil {
+		t.Fatal(err)
+	}
+	_, tok := consulLock(t, s.client, "locks/billing") // >= 2
+	eventually(t, "admitted while Consul is up", func() error { return connectErr(s.url(tok)) })
+	s.consul.Stop(t)
+	eventually(t, "admitted while Consul is down", func() error { return connectErr(s.url(tok)) })
+	wantCode(t, connectErr(s.url(tok-1)), fence.CodeStale)
+}
