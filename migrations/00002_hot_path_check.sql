@@ -1,16 +1,16 @@
 -- The hot path: fence.check and fence.check_readonly run at the commit point of every fenced
--- transaction. Measured on PostgreSQL 15 through the proxy (pgbench tpcb-like without branch
--- updates, 8 clients, 2 cores; docs/BENCHMARKS.md), version 1 cost about a fifth of write
--- throughput, from three sources this version removes or reduces:
+-- transaction. Measured on PostgreSQL 15 (pgbench tpcb-like without branch updates, 8 clients,
+-- 2 cores; bench/check-variants.sh, numbers in docs/BENCHMARKS.md), version 1 cost about a
+-- fifth of write throughput, from three sources this version removes or reduces:
 --
--- 1. The SET search_path clause (about 7%): a SET clause saves and restores the setting and
+-- 1. The SET search_path clause (about 4 points): a SET clause saves and restores the setting and
 --    recomputes the active search path on every call. check and check_readonly now resolve
 --    nothing through search_path instead: every table, function and operator is
 --    schema-qualified (OPERATOR(pg_catalog.>)), casts name pg_catalog types, and variables use
 --    SQL keyword types (bigint). A caller's search_path (even one that puts its own schema
 --    before pg_catalog) cannot change what they run; test/sql/40_grants.sql proves it with
 --    hostile operators. raise and reset, not on the hot path, keep their SET clause.
--- 2. FOR SHARE on one hot row under READ COMMITTED (about 7-10% with 8 writers): every check
+-- 2. FOR SHARE on one hot row under READ COMMITTED (4-6 points with 8 writers): every check
 --    dirtied the row's page, wrote a WAL record and, with concurrent writers, created a
 --    MultiXact. Under READ COMMITTED the check now takes a shared transaction-level advisory
 --    lock on the resource instead, and reads the token with a fresh snapshot; raise and reset

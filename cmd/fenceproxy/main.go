@@ -12,6 +12,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/signal"
@@ -103,7 +104,7 @@ func run(args []string) int {
 	kctx.Bind(log)
 	if err := kctx.Run(); err != nil {
 		var ec interface{ ExitCode() int }
-		if asExit(err, &ec) {
+		if errors.As(err, &ec) {
 			return ec.ExitCode()
 		}
 		log.Error("fenceproxy failed", zap.Error(err))

@@ -119,6 +119,13 @@ func (c Config) validate() (*settings, error) {
 	if s.ShutdownGrace <= 0 {
 		s.ShutdownGrace = 30 * time.Second
 	}
+	switch s.ConsulDownMode {
+	case "":
+		s.ConsulDownMode = ConsulDownRefuse
+	case ConsulDownRefuse, ConsulDownTrustDatabase:
+	default:
+		return nil, fmt.Errorf("consul-down: %q is not refuse or trust-database", s.ConsulDownMode)
+	}
 	switch s.Unfenced {
 	case "":
 		s.Unfenced = UnfencedReject

@@ -83,39 +83,9 @@ func NewGuard(ctx context.Context, cfg Config, opts GuardOptions) (*Guard, error
 	if len(keys) == 0 {
 		return nil, nil
 	}
-	switch g.downMode {
-	case "", ConsulDownRefuse:
-		g.downMode = ConsulDownRefuse
-	case ConsulDownTrustDatabase:
-	default:
-		return nil, fmt.Errorf("consul-down %q: use refuse or trust-database", g.downMode)
-	}
 	client, err := lease.NewClient(lease.ConsulConfig{Addr: s.ConsulAddr, Token: s.ConsulToken, CAFile: s.ConsulCAFile, Scheme: s.ConsulScheme})
 	if err != nil {
 		return nil, err
-	}
-	return g.finish(ctx, client, keys, s.ControlDatabase, opts.Registerer)
-}
-
-// NewGuardWithClient is NewGuard with a given Consul client (tests).
-func NewGuardWithClient(ctx context.Context, cfg Config, client *api.Client, opts GuardOptions) (*Guard, error) {
-	s, err := cfg.validate()
-	if err != nil {
-		return nil, err
-	}
-	g := &Guard{reg: opts.Registry, log: opts.Logger, keys: map[string]string{}, byKey: map[string]string{}, downMode: s.ConsulDownMode}
-	if g.log == nil {
-		g.log = zap.NewNop()
-	}
-	if g.downMode == "" {
-		g.downMode = ConsulDownRefuse
-	}
-	var keys []string
-	for _, r := range s.resources {
-		if r.Key != "" {
-			g.keys[r.Name], g.byKey[r.Key] = r.Key, r.Name
-			keys = append(keys, r.Key)
-		}
 	}
 	return g.finish(ctx, client, keys, s.ControlDatabase, opts.Registerer)
 }

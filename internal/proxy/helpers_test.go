@@ -24,17 +24,7 @@ func ctxT(t *testing.T) context.Context {
 	return ctx
 }
 
-func connect(t *testing.T, url string) *pgx.Conn {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-	defer cancel()
-	conn, err := pgx.Connect(ctx, url)
-	if err != nil {
-		t.Fatalf("connect %s: %v", url, err)
-	}
-	t.Cleanup(func() { conn.Close(context.Background()) })
-	return conn
-}
+func connect(t *testing.T, url string) *pgx.Conn { return testenv.Connect(t, url) }
 
 func connectErr(url string) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)

@@ -1,7 +1,6 @@
 package proxy_test
 
 import (
-	"context"
 	"encoding/binary"
 	"encoding/json"
 	"errors"
@@ -46,22 +45,7 @@ func pgAddr(pg *testenv.Postgres) string {
 
 // connectCfg connects with a config that mod may change first.
 func connectCfg(t *testing.T, url string, mod func(*pgx.ConnConfig)) *pgx.Conn {
-	t.Helper()
-	cfg, err := pgx.ParseConfig(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if mod != nil {
-		mod(cfg)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-	defer cancel()
-	conn, err := pgx.ConnectConfig(ctx, cfg)
-	if err != nil {
-		t.Fatalf("connect %s: %v", url, err)
-	}
-	t.Cleanup(func() { conn.Close(context.Background()) })
-	return conn
+	return testenv.Connect(t, url, mod)
 }
 
 // backendGone waits until no backend with pid is left in pg_stat_activity

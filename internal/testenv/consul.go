@@ -261,6 +261,36 @@ func (c *Consul) Pause(tb testing.TB) {
 		tb.Fatalf("testenv: pause Consul: %v", err)
 	}
 	c.paused = true
+	// SIGSTOP is delivered asynchronously: wait until every thread of the
+	// agent is stopped, or a request sent right after Pause may still be
+	// answered.
+	deadline := time.Now().Add(5 * time.Second)
+	for !allStopped(c.proc.Pid) {
+		if time.Now().After(deadline) {
+			tb.Fatalf("testenv: pause Consul: process %d not stopped after 5 s", c.proc.Pid)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// allStopped reports whether every thread of pid is in state T (stopped).
+func allStopped(pid int) bool {
+	tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+	if err != nil || len(tasks) == 0 {
+		return false
+	}
+	for _, task := range tasks {
+		stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/stat", pid, task.Name()))
+		if err != nil {
+			return false
+		}
+		// The state follows the command name in parentheses, which may hold spaces.
+		i := bytes.LastIndexByte(stat, ')')
+		if i < 0 || i+2 >= len(stat) || stat[i+2] != 'T' {
+			return false
+		}
+	}
+	return true
 }
 
 // Resume continues an agent that Pause froze.

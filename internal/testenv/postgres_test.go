@@ -1,14 +1,12 @@
 package testenv_test
 
 import (
-	"context"
 	"errors"
 	"net"
 	"os"
 	"strconv"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -16,17 +14,7 @@ import (
 	"github.com/fenceproxy/fenceproxy/internal/testenv"
 )
 
-func connect(t *testing.T, url string) *pgx.Conn {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
-	defer cancel()
-	conn, err := pgx.Connect(ctx, url)
-	if err != nil {
-		t.Fatalf("connect %s: %v", url, err)
-	}
-	t.Cleanup(func() { conn.Close(context.Background()) })
-	return conn
-}
+func connect(t *testing.T, url string) *pgx.Conn { return testenv.Connect(t, url) }
 
 func queryString(t *testing.T, conn *pgx.Conn, sql string) string {
 	t.Helper()

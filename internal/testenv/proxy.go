@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest"
 
@@ -110,4 +111,27 @@ func (p *Proxy) url(user *url.Userinfo, db string, params []string) string {
 // FenceURL is URL with the fence parameters for resource and token.
 func (p *Proxy) FenceURL(user, db, resource string, token int64, params ...string) string {
 	return p.URL(user, db, append(params, "fence.resource="+resource, "fence.token="+strconv.FormatInt(token, 10))...)
+}
+
+// Connect opens a pgx connection to url (within 20 s), after mods change
+// its config, and closes it when the test ends.
+func Connect(tb testing.TB, url string, mods ...func(*pgx.ConnConfig)) *pgx.Conn {
+	tb.Helper()
+	cfg, err := pgx.ParseConfig(url)
+	if err != nil {
+		tb.Fatalf("testenv: %s: %v", url, err)
+	}
+	for _, m := range mods {
+		if m != nil {
+			m(cfg)
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	conn, err := pgx.ConnectConfig(ctx, cfg)
+	if err != nil {
+		tb.Fatalf("testenv: connect %s: %v", url, err)
+	}
+	tb.Cleanup(func() { conn.Close(context.Background()) })
+	return conn
 }
