@@ -83,7 +83,7 @@ port=
 for _ in 1 2 3 4 5 6 7 8 9 10; do
 	candidate=$((20000 + RANDOM % 12000))
 	if "${as_owner[@]}" "$bindir/pg_ctl" -D "$data" -l "$log" -w -t 60 start -o \
-		"-p $candidate -k $sock -c listen_addresses=127.0.0.1 -c fsync=off -c synchronous_commit=off -c full_page_writes=off -c statement_timeout=120s" \
+		"-p $candidate -k $sock -c listen_addresses=127.0.0.1 -c fsync=off -c synchronous_commit=off -c full_page_writes=off -c statement_timeout=120s -c max_prepared_transactions=4" \
 		>/dev/null 2>&1; then
 		port=$candidate
 		break

@@ -7,9 +7,11 @@
 //
 // The guarantee (for a resource R, once token t' is admitted, no transaction
 // under t < t' commits a change) is discharged by PostgreSQL: fence.check runs
-// inside the client's transaction immediately before it commits and takes a
-// FOR SHARE lock on R's row only when the transaction wrote; fence.raise
-// updates that row in its own short transaction. Everything in the registry
+// inside the client's transaction immediately before it commits and, only
+// when the transaction wrote, reads R's token from the sequence
+// fence_token."R" (taking a lock that the raise's ALTER SEQUENCE conflicts
+// with); fence.raise updates R's row in its own short transaction, and a
+// trigger moves the sequence with it. Everything in the registry
 // is an optimisation (early refusal, cancellation of in-flight queries) that
 // may be late or lost without breaking the guarantee.
 //

@@ -412,8 +412,9 @@ func TestFenceFunctions(t *testing.T) {
 		wantPrefix string
 	}{
 		{pgx.ReadCommitted, `stale fencing token: resource "%s" token 40 is lower than the highest admitted token 41`},
-		{pgx.RepeatableRead, `stale fencing token: resource "%s" token 40 was superseded by a token admitted while this transaction ran`},
-		{pgx.Serializable, `stale fencing token: resource "%s" token 40 was superseded by a token admitted while this transaction ran`},
+		// The check reads the token's sequence, not through the snapshot (migration 3).
+		{pgx.RepeatableRead, `stale fencing token: resource "%s" token 40 is lower than the highest admitted token 41`},
+		{pgx.Serializable, `stale fencing token: resource "%s" token 40 is lower than the highest admitted token 41`},
 	}
 	for i, iso := range isolation {
 		t.Run("frozen old leader under "+string(iso.level), func(t *testing.T) {
@@ -583,9 +584,25 @@ func TestFenceFunctions(t *testing.T) {
 			"INSERT INTO fence.tokens (resource, token) VALUES ('x', 1)",
 			"SELECT * FROM fence.tokens FOR SHARE",
 			"CREATE FUNCTION fence.check(text, integer) RETURNS void LANGUAGE sql AS ''",
+			// The sequences fence.check reads (migration 3): readable, never movable.
+			`SELECT setval('fence_token."reset"', 1)`,
+			`SELECT nextval('fence_token."reset"')`,
+			"CREATE SEQUENCE fence_token.mine",
+			`SELECT fence.mirror_token()`,
 		} {
 			_, err := app.Exec(t.Context(), q)
 			wantPgError(t, err, "42501", "permission denied")
+		}
+		for _, q := range []string{
+			`ALTER SEQUENCE fence_token."reset" RESTART WITH 1`,
+			`DROP SEQUENCE fence_token."reset"`,
+		} {
+			_, err := app.Exec(t.Context(), q)
+			wantPgError(t, err, "42501", "must be owner of sequence reset")
+		}
+		var last int64
+		if err := app.QueryRow(t.Context(), `SELECT pg_sequence_last_value('fence_token."reset"')`).Scan(&last); err != nil || last != 4 {
+			t.Fatalf("application role reads the token's sequence: %d, %v; want 4 (the reset subtest's last raise)", last, err)
 		}
 		if n := countRows(t, app, "fence.tokens"); n == 0 {
 			t.Fatal("application role cannot read fence.tokens")
@@ -661,4 +678,4 @@ func waitForLockWait(t *testing.T, conn *pgx.Conn, pid uint32) {
 }
 
 // allVersions are the embedded migrations, in order.
-var allVersions = []int64{1, 2}
+var allVersions = []int64{1, 2, 3}

@@ -160,8 +160,8 @@ func (k Kind) OwnTransaction() bool {
 //   - Maintenance (VACUUM, DISCARD ALL) changes no user data;
 //   - RollbackPrepared commits nothing;
 //   - CommitPrepared commits a transaction whose check already ran before its
-//     PREPARE TRANSACTION; the FOR SHARE lock that check took is held by the
-//     prepared transaction, so no raise can commit in between.
+//     PREPARE TRANSACTION; the lock on the token's sequence that check took is
+//     held by the prepared transaction, so no raise can commit in between.
 //
 // NoTxBlock statements are not safe: they change data or schema in
 // transactions of their own.

@@ -1,5 +1,7 @@
 -- fence.raise: insert when missing, raise only when higher, report the stored token, notify
 -- 'fence_raise' only on a real change; fence.reset sets exactly and notifies with " reset".
+-- The sequence fence_token."<resource>" that fence.check reads mirrors every committed change
+-- (migration 3), and only committed ones.
 \set QUIET 1
 \set ON_ERROR_STOP 1
 \pset format unaligned
@@ -7,7 +9,7 @@
 \pset pager off
 
 BEGIN;
-SELECT plan(24);
+SELECT plan(31);
 
 \ir _helpers.psql
 
@@ -22,6 +24,11 @@ $$;
 CREATE FUNCTION pg_temp.stored(resource text) RETURNS bigint LANGUAGE sql AS $$
     SELECT token FROM dblink('raiser', format('SELECT token FROM fence.tokens WHERE resource = %L', resource)) AS t(token bigint)
 $$;
+-- The mirror as another session sees it: NULL when the sequence does not exist.
+CREATE FUNCTION pg_temp.mirror(resource text) RETURNS bigint LANGUAGE sql AS $$
+    SELECT v FROM dblink('raiser', format('SELECT pg_sequence_last_value(to_regclass(%L))',
+                                          'fence_token.' || quote_ident(resource))) AS t(v bigint)
+$$;
 
 SELECT is(pg_temp.raise('tap-raise', 33), 33::bigint, 'a missing row is inserted and its token returned');
 SELECT is(pg_temp.stored('tap-raise'), 33::bigint, '... and stored');
@@ -30,6 +37,7 @@ SELECT is(pg_temp.raise('tap-raise', 20), 33::bigint, 'a lower token returns the
 SELECT is(pg_temp.stored('tap-raise'), 33::bigint, '... and does not lower it');
 SELECT is(pg_temp.raise('tap-raise', 34), 34::bigint, 'a higher token raises');
 SELECT is(pg_temp.stored('tap-raise'), 34::bigint, '... and is stored');
+SELECT is(pg_temp.mirror('tap-raise'), 34::bigint, '... and mirrored in fence_token."tap-raise"');
 
 SELECT throws_ok($$SELECT fence.raise('tap-raise', 0)$$, 'ZF004',
     'malformed fencing token: 0 (a fencing token is an integer greater than 0)', 'token 0 is ZF004');
@@ -68,17 +76,27 @@ SELECT pg_temp.raise('tap-raise-n', 10) \g /dev/null
 SELECT dblink_exec('raiser', 'ROLLBACK') \g /dev/null
 SELECT is(pg_temp.notifications('listener', 1, 0.2), '{}'::text[], 'a raise rolled back notifies nobody');
 SELECT is(pg_temp.stored('tap-raise-n'), 9::bigint, '... and is not stored');
+SELECT is(pg_temp.mirror('tap-raise-n'), 9::bigint, '... nor mirrored (the sequence''s new file is dropped)');
 
 -- fence.reset: exactly the value, lower or not, and a notification saying so.
 SELECT is((SELECT previous FROM dblink('raiser', $$SELECT fence.reset('tap-raise-n', 2)$$) AS t(previous bigint)),
     9::bigint, 'fence.reset returns the previous token');
 SELECT is(pg_temp.stored('tap-raise-n'), 2::bigint, 'fence.reset lowers the stored token');
+SELECT is(pg_temp.mirror('tap-raise-n'), 2::bigint, '... and its mirror');
 SELECT is(pg_temp.notifications('listener', 1, 5), ARRAY['fence_raise: tap-raise-n 2 reset'],
     'fence.reset notifies "<resource> <token> reset"');
 SELECT is((SELECT previous FROM dblink('raiser', $$SELECT fence.reset('tap-raise-new', 0)$$) AS t(previous bigint)),
     NULL::bigint, 'fence.reset of a missing resource returns NULL');
+SELECT is(pg_temp.mirror('tap-raise-new'), 0::bigint, '... and creates the row and its mirror');
 SELECT throws_ok($$SELECT fence.reset('tap-raise-n', -1)$$, 'ZF004', NULL, 'fence.reset refuses a negative token');
 
+SELECT dblink_exec('raiser', $$DELETE FROM fence.tokens WHERE resource LIKE 'tap-raise%'$$) \g /dev/null
+SELECT is(pg_temp.mirror('tap-raise-n'), NULL::bigint, 'deleting a row drops its mirror');
+SELECT is(pg_temp.mirror('tap-raise'), NULL::bigint, '... every one');
+-- A change by hand (the owner's UPDATE, not fence.raise) is mirrored too.
+SELECT pg_temp.raise('tap-raise-hand', 5) \g /dev/null
+SELECT dblink_exec('raiser', $$UPDATE fence.tokens SET token = 12 WHERE resource = 'tap-raise-hand'$$) \g /dev/null
+SELECT is(pg_temp.mirror('tap-raise-hand'), 12::bigint, 'an UPDATE of fence.tokens by its owner is mirrored');
 SELECT dblink_exec('raiser', $$DELETE FROM fence.tokens WHERE resource LIKE 'tap-raise%'$$) \g /dev/null
 SELECT dblink_disconnect('raiser') \g /dev/null
 SELECT dblink_disconnect('listener') \g /dev/null
