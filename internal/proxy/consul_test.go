@@ -26,9 +26,18 @@ func consulLock(t *testing.T, c *api.Client, key string) (string, int64) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ok, _, err := c.KV().Acquire(&api.KVPair{Key: key, Session: id}, nil)
-	if err != nil || !ok {
-		t.Fatalf("acquire %s: %v %v", key, ok, err)
+	// After a holder's session is destroyed, Consul refuses acquires for the
+	// lock-delay (1 ms here): retry through it.
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		ok, _, err := c.KV().Acquire(&api.KVPair{Key: key, Session: id}, nil)
+		if err == nil && ok {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("acquire %s: %v %v", key, ok, err)
+		}
+		time.Sleep(10 * time.Millisecond)
 	}
 	p, _, err := c.KV().Get(key, &api.QueryOptions{RequireConsistent: true})
 	if err != nil || p == nil || p.Session != id {
