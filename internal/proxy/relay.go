@@ -87,6 +87,42 @@ type entry struct {
 type unit struct {
 	rollbackOnFail bool // a check before an explicit COMMIT: ROLLBACK if it fails
 	checkFailed    bool
+	end            entry // the entry of its end (Sync, Query end), allocated with it
+}
+
+// entryQueue holds the expected responses, oldest first. Popping moves head
+// instead of reslicing, so that the array is reused from its start whenever
+// the queue empties: a session's usual back and forth allocates nothing here.
+type entryQueue struct {
+	buf  []*entry
+	head int
+}
+
+func (q *entryQueue) len() int      { return len(q.buf) - q.head }
+func (q *entryQueue) front() *entry { return q.buf[q.head] }
+
+func (q *entryQueue) push(es ...*entry) {
+	if q.head > 0 && len(q.buf)+len(es) > cap(q.buf) {
+		// Full, with popped slots at the start (a pipeline that never
+		// drains): move the live entries down instead of growing.
+		n := copy(q.buf, q.buf[q.head:])
+		clear(q.buf[n:])
+		q.buf, q.head = q.buf[:n], 0
+	}
+	q.buf = append(q.buf, es...)
+}
+
+func (q *entryQueue) pop() *entry {
+	e := q.buf[q.head]
+	q.buf[q.head] = nil
+	q.head++
+	if q.head == len(q.buf) {
+		q.buf, q.head = q.buf[:0], 0
+		if cap(q.buf) > 1024 { // do not pin a long pipeline's array
+			q.buf = nil
+		}
+	}
+	return e
 }
 
 // relay runs both directions until either side closes or fails.
@@ -211,10 +247,8 @@ func (sess *session) readyForQuery(status byte) {
 func (sess *session) popThroughEnd() *entry {
 	sess.mu.Lock()
 	defer sess.mu.Unlock()
-	for len(sess.queue) > 0 {
-		e := sess.queue[0]
-		sess.queue[0] = nil
-		sess.queue = sess.queue[1:]
+	for sess.queue.len() > 0 {
+		e := sess.queue.pop()
 		if e.kind == eSync || e.kind == eQueryEnd {
 			return e
 		}
@@ -224,7 +258,7 @@ func (sess *session) popThroughEnd() *entry {
 
 func (sess *session) push(es ...*entry) {
 	sess.mu.Lock()
-	sess.queue = append(sess.queue, es...)
+	sess.queue.push(es...)
 	sess.mu.Unlock()
 }
 
@@ -278,7 +312,7 @@ func (sess *session) serverToClientFenced() error {
 			if len(body) != 1 {
 				return fmt.Errorf("malformed ReadyForQuery")
 			}
-			if err := sess.serverReady(body[0]); err != nil {
+			if err := sess.serverReady(body); err != nil {
 				return err
 			}
 			continue
@@ -304,10 +338,10 @@ func (sess *session) serverToClientFenced() error {
 func (sess *session) answer(typ byte) *entry {
 	sess.mu.Lock()
 	defer sess.mu.Unlock()
-	if len(sess.queue) == 0 {
+	if sess.queue.len() == 0 {
 		return nil
 	}
-	e := sess.queue[0]
+	e := sess.queue.front()
 	var done bool
 	switch typ {
 	case '1', '2', '3', 'V': // ParseComplete, BindComplete, CloseComplete, FunctionCallResponse
@@ -320,8 +354,7 @@ func (sess *session) answer(typ byte) *entry {
 		done = e.kind != eSync && e.kind != eQueryEnd
 	}
 	if done {
-		sess.queue[0] = nil
-		sess.queue = sess.queue[1:]
+		sess.queue.pop()
 	}
 	return e
 }
@@ -366,9 +399,11 @@ func (sess *session) staleCancel() *pgproto3.ErrorResponse {
 }
 
 // translateCheckError turns what the check raised into the fencing error.
-// fence.check reports staleness itself (ZF001, also under REPEATABLE READ
-// and SERIALIZABLE, where a concurrent raise surfaces as 40001); the
-// translation here is the proxy's second line for errors that escape it.
+// fence.check reports staleness itself (ZF001) at every isolation level.
+// The check of schema version 2, which a database not yet migrated still
+// runs, read the token with FOR SHARE under REPEATABLE READ and
+// SERIALIZABLE, where a concurrent raise surfaces as 40001: that is
+// translated here, as are the proxy's own cancellations.
 func (sess *session) translateCheckError(resp *pgproto3.ErrorResponse) *pgproto3.ErrorResponse {
 	if sess.mode != modeFenced {
 		return resp
@@ -390,9 +425,10 @@ func (sess *session) translateCheckError(resp *pgproto3.ErrorResponse) *pgproto3
 	return resp
 }
 
-// serverReady handles a ReadyForQuery: it completes the unit, or first rolls
-// back a block whose commit check failed.
-func (sess *session) serverReady(status byte) error {
+// serverReady handles a ReadyForQuery (its one-byte body): it completes the
+// unit, or first rolls back a block whose commit check failed.
+func (sess *session) serverReady(body []byte) error {
+	status := body[0]
 	if end := sess.popThroughEnd(); end != nil && end.unit.checkFailed && end.unit.rollbackOnFail && status == 'E' {
 		// The client's COMMIT was skipped after the failed check. End the
 		// failed block so that the client sees what a failed deferred
@@ -409,7 +445,7 @@ func (sess *session) serverReady(status byte) error {
 		sess.swMu.Unlock()
 		return err
 	}
-	if err := sess.writeClient('Z', []byte{status}); err != nil {
+	if err := sess.writeClient('Z', body); err != nil {
 		return err
 	}
 	sess.readyForQuery(status)
@@ -555,6 +591,20 @@ func (sess *session) writeServer(typ byte, body []byte) error {
 	return wire.WriteMessage(sess.sw, typ, body)
 }
 
+// writeServerQuery writes a Query message carrying text, without copying
+// text into a body first.
+func (sess *session) writeServerQuery(text string) error {
+	sess.swMu.Lock()
+	defer sess.swMu.Unlock()
+	if err := wire.WriteHeader(sess.sw, 'Q', len(text)+1); err != nil {
+		return err
+	}
+	if _, err := sess.sw.WriteString(text); err != nil {
+		return err
+	}
+	return sess.sw.WriteByte(0)
+}
+
 func (sess *session) writeServerRaw(b []byte) error {
 	sess.swMu.Lock()
 	defer sess.swMu.Unlock()
@@ -595,8 +645,9 @@ func (c *cstate) begin(sess *session) {
 	c.kinds = c.kinds[:0]
 	c.hasExecute = false
 	c.unit = &unit{}
+	c.unit.end.unit = c.unit
 	sess.mu.Lock()
-	if sess.outstanding == 0 && len(sess.queue) == 0 {
+	if sess.outstanding == 0 && sess.queue.len() == 0 {
 		c.start, c.exact = sess.status, true
 	} else {
 		c.start, c.exact = c.pred, false
@@ -995,16 +1046,42 @@ func (sess *session) onSync(c *cstate) error {
 // endUnit forwards the message that ends the unit and, after a check before
 // an explicit COMMIT, waits for its outcome (obligation 4).
 func (sess *session) endUnit(c *cstate, kind entryKind, typ byte, body []byte) error {
-	u := c.unit
-	c.pred = c.current()
-	c.open = false
-	sess.mu.Lock()
-	sess.outstanding++
-	sess.queue = append(sess.queue, &entry{kind: kind, unit: u})
-	sess.mu.Unlock()
+	u := sess.queueEnd(c, kind, nil)
 	if err := sess.writeServer(typ, body); err != nil {
 		return err
 	}
+	return sess.afterEnd(c, u)
+}
+
+// endQuery is endUnit for a Query message carrying text, whose statements'
+// entries (stmts) are queued with the unit's end.
+func (sess *session) endQuery(c *cstate, text string, stmts []entry) error {
+	u := sess.queueEnd(c, eQueryEnd, stmts)
+	if err := sess.writeServerQuery(text); err != nil {
+		return err
+	}
+	return sess.afterEnd(c, u)
+}
+
+// queueEnd closes the current unit and queues stmts, then its end entry.
+func (sess *session) queueEnd(c *cstate, kind entryKind, stmts []entry) *unit {
+	u := c.unit
+	c.pred = c.current()
+	c.open = false
+	u.end.kind = kind
+	sess.mu.Lock()
+	sess.outstanding++
+	for i := range stmts {
+		stmts[i].unit = u
+		sess.queue.push(&stmts[i])
+	}
+	sess.queue.push(&u.end)
+	sess.mu.Unlock()
+	return u
+}
+
+// afterEnd is what endUnit does once the message is written.
+func (sess *session) afterEnd(c *cstate, u *unit) error {
 	if u.rollbackOnFail {
 		// Nothing more of the client's may reach the server before this
 		// unit's outcome is known (the proxy may have to roll back): the next
@@ -1169,24 +1246,21 @@ func (sess *session) onQuery(c *cstate) error {
 	if plan.Checks > finalChecks(plan) {
 		c.unit.rollbackOnFail = true
 	}
-	es := make([]*entry, 0, len(plan.Ours)+1)
-	for _, ours := range plan.Ours {
-		es = append(es, &entry{kind: eStmt, ours: ours, check: ours})
-		if ours {
-			sess.srv.metrics.check()
+	// One entry per statement (an empty query gets one EmptyQueryResponse),
+	// allocated together.
+	es := make([]entry, max(len(plan.Ours), 1))
+	for i := range es {
+		es[i].kind = eStmt
+		if i < len(plan.Ours) && plan.Ours[i] {
+			es[i].ours, es[i].check = true, true
 		}
 	}
-	if len(plan.Ours) == 0 {
-		// Empty query: one EmptyQueryResponse.
-		es = append(es, &entry{kind: eStmt})
+	for range plan.Checks {
+		sess.srv.metrics.check()
 	}
-	c.push(sess, es...)
 	// The Query ends the unit; its statements decide the state after it.
 	c.kinds = append(c.kinds, plan.Kinds...)
-	out := make([]byte, 0, len(plan.Text)+1)
-	out = append(out, plan.Text...)
-	out = append(out, 0)
-	return sess.endUnit(c, eQueryEnd, 'Q', out)
+	return sess.endQuery(c, plan.Text, es)
 }
 
 // finalChecks is 1 when the plan's last statement is the check appended for
@@ -1214,9 +1288,7 @@ func harmlessQuery(p sqltx.QueryPlan) bool {
 
 // refuseQuery answers a Query with a refusal raised by the server.
 func (sess *session) refuseQuery(c *cstate, fe *fence.Error) error {
-	c.push(sess, &entry{kind: eStmt, ours: true, refusal: fe})
-	body := append([]byte(refusalSQL(fe)), 0)
-	return sess.endUnit(c, eQueryEnd, 'Q', body)
+	return sess.endQuery(c, refusalSQL(fe), []entry{{kind: eStmt, ours: true, refusal: fe}})
 }
 
 func (sess *session) onFunctionCall(c *cstate) error {

@@ -46,7 +46,8 @@ type Server struct {
 	reg     *fence.Registry
 	admit   Admitter
 	// sqlCache remembers how recent SQL texts split and classify, shared by
-	// every session (prepared statements and repeated queries parse once).
+	// every session: a text that comes again (a prepared statement, BEGIN,
+	// COMMIT) is parsed twice, then found in the cache.
 	sqlCache *sqltx.Cache
 
 	clients    atomic.Int64

@@ -70,7 +70,7 @@ type session struct {
 	outstanding    int  // units (Sync, Query, FunctionCall) forwarded but not answered
 	closed         bool
 	done           chan struct{} // closed when the relay ends
-	queue          []*entry
+	queue          entryQueue
 	stdStrings     bool   // standard_conforming_strings as last reported
 	encodingUnsafe bool   // client_encoding may hide a backslash in a multibyte character
 	encoding       string // client_encoding as last reported
@@ -575,7 +575,7 @@ func (sess *session) onStale(admitted int64) {
 	sess.admitted.Store(admitted)
 	sess.stale.Store(true)
 	sess.mu.Lock()
-	busy := sess.outstanding > 0 || len(sess.queue) > 0
+	busy := sess.outstanding > 0 || sess.queue.len() > 0
 	sess.mu.Unlock()
 	sess.log.Info("session went stale", zap.Int64("admitted", admitted), zap.Bool("in_flight", busy))
 	if busy {
@@ -637,7 +637,7 @@ func (sess *session) closeWhenIdle(why *fence.Error) {
 	}
 	sess.shuttingDown.Store(true)
 	sess.mu.Lock()
-	idle := sess.outstanding == 0 && len(sess.queue) == 0 && sess.status == 'I'
+	idle := sess.outstanding == 0 && sess.queue.len() == 0 && sess.status == 'I'
 	sess.mu.Unlock()
 	if idle {
 		sess.closeForShutdown()

@@ -1,6 +1,8 @@
 package sqltx
 
 import (
+	"hash/maphash"
+	"math/bits"
 	"strings"
 	"sync"
 )
@@ -10,11 +12,21 @@ import (
 // at most 16 KiB: 16 MiB in the worst case, far less for usual statements).
 const MaxCachedText = 16 << 10
 
-// Cache remembers the analysis of recently seen texts, so that a text sent
-// again (the same prepared statement parsed by many connections, unnamed
+// Cache remembers the analysis of texts that come again, so that a text sent
+// repeatedly (the same prepared statement parsed by many connections, unnamed
 // statements re-parsed on every execution, BEGIN, COMMIT) costs a map lookup
 // instead of parses. It also remembers the check statements it has validated.
 // Results are identical to the package-level functions'.
+//
+// A text is kept the second time it is seen, not the first (see doc.go,
+// "Performance"): most simple-protocol texts carry literal values and never
+// come again, and keeping each of them would cost an insertion and the
+// eviction of a text that does come again. So the first two analyses of a
+// text cost what the package-level functions cost; later ones are hits while
+// the text stays among the size most recently used. A first sighting is
+// remembered as a hash in a table of at least size slots, where a later text
+// with the same slot replaces it: a text that comes back only after many new
+// ones may have to be seen twice again.
 //
 // A Cache is safe for concurrent use. The nil *Cache is valid and caches
 // nothing.
@@ -24,6 +36,11 @@ type Cache struct {
 	entries map[string]*cacheEntry
 	lru     cacheEntry // sentinel: lru.next is the most recently used
 	checks  map[string]struct{}
+	// seen holds hashes of texts seen once and not cached (0: none), at
+	// hash & mask.
+	seen []uint64
+	mask uint64
+	seed maphash.Seed
 }
 
 type cacheEntry struct {
@@ -41,7 +58,15 @@ func NewCache(size int) *Cache {
 	if size <= 0 {
 		size = 1024
 	}
-	c := &Cache{size: size, entries: make(map[string]*cacheEntry, size), checks: map[string]struct{}{}}
+	slots := 1 << bits.Len(uint(size-1)) // a power of two, at least size
+	c := &Cache{
+		size:    size,
+		entries: make(map[string]*cacheEntry, size),
+		checks:  map[string]struct{}{},
+		seen:    make([]uint64, slots),
+		mask:    uint64(slots - 1),
+		seed:    maphash.MakeSeed(),
+	}
 	c.lru.next, c.lru.prev = &c.lru, &c.lru
 	return c
 }
@@ -70,7 +95,8 @@ func (c *Cache) Classify(sql string) (Kind, error) {
 	if c == nil {
 		return Classify(sql)
 	}
-	if a := c.get(sql); a != nil {
+	a, keep := c.get(sql)
+	if a != nil {
 		if len(a.stmts) > 1 {
 			return Other, ErrMultipleStatements
 		}
@@ -83,7 +109,7 @@ func (c *Cache) Classify(sql string) (Kind, error) {
 	if err != nil {
 		return Other, err
 	}
-	if len(sql) <= MaxCachedText {
+	if keep {
 		c.put(sql, a)
 	}
 	if len(a.stmts) == 0 {
@@ -97,23 +123,27 @@ func (c *Cache) PlanQuery(sql string, inBlock, failed bool, check string) (Query
 	if c == nil {
 		return PlanQuery(sql, inBlock, failed, check)
 	}
-	if err := c.validateCheck(check); err != nil {
-		return QueryPlan{}, err
+	// One lock for both lookups: this runs for every simple Query.
+	c.mu.Lock()
+	_, checked := c.checks[check]
+	a, keep := c.getLocked(sql)
+	c.mu.Unlock()
+	if !checked {
+		if err := c.validateCheck(check); err != nil {
+			return QueryPlan{}, err
+		}
 	}
-	a, err := c.analyze(sql, false)
-	if err != nil {
-		return QueryPlan{}, err
+	if a == nil || !sufficient(a, false) {
+		var err error
+		if a, err = c.compute(sql, false, keep); err != nil {
+			return QueryPlan{}, err
+		}
 	}
 	return plan(sql, a, inBlock, failed, check)
 }
 
+// validateCheck validates check and remembers it.
 func (c *Cache) validateCheck(check string) error {
-	c.mu.Lock()
-	_, ok := c.checks[check]
-	c.mu.Unlock()
-	if ok {
-		return nil
-	}
 	if err := validateCheck(check); err != nil {
 		return err
 	}
@@ -132,11 +162,17 @@ func (c *Cache) analyze(sql string, all bool) (*analysis, error) {
 	if c == nil {
 		return analyze(sql, all)
 	}
-	if a := c.get(sql); a != nil && sufficient(a, all) {
+	a, keep := c.get(sql)
+	if a != nil && sufficient(a, all) {
 		return a, nil
 	}
+	return c.compute(sql, all, keep)
+}
+
+// compute analyses sql and caches the result when keep is set.
+func (c *Cache) compute(sql string, all, keep bool) (*analysis, error) {
 	a, err := analyze(sql, all)
-	if err == nil && len(sql) <= MaxCachedText {
+	if err == nil && keep {
 		c.put(sql, a)
 	}
 	return a, err
@@ -157,16 +193,32 @@ func sufficient(a *analysis, all bool) bool {
 	return true
 }
 
-func (c *Cache) get(sql string) *analysis {
+// get returns the cached analysis of sql (nil if none), and whether an
+// analysis of sql should be put in the cache: when sql is cached already (its
+// analysis may lack what the caller needs), or seen before (see Cache).
+func (c *Cache) get(sql string) (a *analysis, keep bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	e := c.entries[sql]
-	if e == nil {
-		return nil
+	return c.getLocked(sql)
+}
+
+func (c *Cache) getLocked(sql string) (a *analysis, keep bool) {
+	if e := c.entries[sql]; e != nil {
+		c.unlink(e)
+		c.pushFront(e)
+		return e.a, true
 	}
-	c.unlink(e)
-	c.pushFront(e)
-	return e.a
+	if len(sql) > MaxCachedText {
+		return nil, false
+	}
+	h := maphash.String(c.seed, sql) | 1 // never 0, the empty slot
+	slot := &c.seen[h&c.mask]
+	if *slot == h {
+		*slot = 0
+		return nil, true
+	}
+	*slot = h
+	return nil, false
 }
 
 func (c *Cache) put(sql string, a *analysis) {

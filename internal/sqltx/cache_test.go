@@ -63,28 +63,72 @@ func compareCached(c *sqltx.Cache, call, sql string) error {
 func TestCacheBounds(t *testing.T) {
 	c := sqltx.NewCache(3)
 	for i := 0; i < 10; i++ {
-		if _, err := c.Classify(fmt.Sprintf("SELECT %d", i)); err != nil {
-			t.Fatal(err)
+		for range 2 { // a text is kept the second time it is seen
+			if _, err := c.Classify(fmt.Sprintf("SELECT %d", i)); err != nil {
+				t.Fatal(err)
+			}
 		}
 	}
 	if c.Len() != 3 {
 		t.Errorf("Len = %d after 10 texts, want 3", c.Len())
 	}
 	long := "SELECT '" + strings.Repeat("x", sqltx.MaxCachedText) + "'"
-	if _, err := c.Split(long); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := c.Classify("SELECT 1; SELECT 2"); err == nil {
-		t.Fatal("no error for two statements")
-	}
-	if _, err := c.Classify("SELEC 1"); err == nil {
-		t.Fatal("no error for a syntax error")
+	for range 3 {
+		if _, err := c.Split(long); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := c.Classify("SELECT 1; SELECT 2"); err == nil {
+			t.Fatal("no error for two statements")
+		}
+		if _, err := c.Classify("SELEC 1"); err == nil {
+			t.Fatal("no error for a syntax error")
+		}
 	}
 	if c.Len() != 3 {
 		t.Errorf("Len = %d, want 3: long texts and errors are not cached", c.Len())
 	}
 	if sqltx.NewCache(0) == nil || (*sqltx.Cache)(nil).Len() != 0 {
 		t.Error("NewCache(0) or nil Cache")
+	}
+}
+
+// TestCacheAdmission: a text is cached the second time it is seen, so texts
+// that never come again (literal values) neither fill the cache nor evict
+// the texts that do (BEGIN, END, prepared statements).
+func TestCacheAdmission(t *testing.T) {
+	c := sqltx.NewCache(4)
+	plan := func(sql string, inBlock bool) {
+		t.Helper()
+		if _, err := c.PlanQuery(sql, inBlock, false, testCheck); err != nil {
+			t.Fatal(err)
+		}
+	}
+	plan("BEGIN;", false)
+	if c.Len() != 0 {
+		t.Fatalf("Len = %d after one text, want 0: kept on first sight", c.Len())
+	}
+	plan("BEGIN;", false)
+	if _, err := c.Classify("SELECT abalance FROM pgbench_accounts WHERE aid = $1"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Classify("SELECT abalance FROM pgbench_accounts WHERE aid = $1"); err != nil {
+		t.Fatal(err)
+	}
+	if c.Len() != 2 {
+		t.Fatalf("Len = %d after two texts seen twice, want 2", c.Len())
+	}
+	for i := range 1000 { // pgbench's simple protocol: every text new
+		plan(fmt.Sprintf("UPDATE pgbench_accounts SET abalance = abalance + %d WHERE aid = %d;", i, i), true)
+		plan("END;", true)
+	}
+	if c.Len() != 3 {
+		t.Errorf("Len = %d after 1000 new texts and END, want 3 (BEGIN, the prepared text, END)", c.Len())
+	}
+	for range 8 { // hits, which evict nothing
+		plan("BEGIN;", false)
+	}
+	if c.Len() != 3 {
+		t.Errorf("Len = %d, want 3", c.Len())
 	}
 }
 

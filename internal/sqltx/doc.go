@@ -116,9 +116,9 @@
 // ErrNeedsOwnTransaction and the proxy decides. Kind.SafeWithoutCheck names
 // the ones that may run unchecked: VACUUM and DISCARD ALL (Maintenance: no
 // user data changes), COMMIT PREPARED (its check ran before PREPARE
-// TRANSACTION, whose FOR SHARE lock the prepared transaction still holds) and
-// ROLLBACK PREPARED (commits nothing). Every other such statement is NoTxBlock
-// and should be refused in fenced sessions.
+// TRANSACTION, whose lock on the token's sequence the prepared transaction
+// still holds) and ROLLBACK PREPARED (commits nothing). Every other such
+// statement is NoTxBlock and should be refused in fenced sessions.
 //
 // NoTxBlock covers the statements for which PostgreSQL 15 calls
 // PreventInTransactionBlock (the integration test runs each one inside a
@@ -169,5 +169,11 @@
 // again: prepared statements parsed by many connections, unnamed statements
 // parsed before every execution, BEGIN and END. It also remembers validated
 // check statements, which the package-level PlanQuery validates on every
-// call (one more parse).
+// call (one more parse). It keeps a text only the second time it sees it
+// (it remembers a hash of the first sighting): with the simple protocol most
+// texts carry literal values and never come again, and caching each of them
+// cost an insertion and an eviction (of a text that does come again) for
+// nothing. For pgbench's read-write transaction through a Cache (BEGIN and
+// END hits, three new texts) that policy brought PlanQuery from 5.1-5.5 to
+// 4.3-4.5 µs per transaction and from 33 to 27 allocations.
 package sqltx

@@ -121,7 +121,7 @@ func TestPlanQuery(t *testing.T) {
 			for _, s := range stmts {
 				want.Kinds = append(want.Kinds, s.Kind)
 			}
-			for _, c := range []*sqltx.Cache{nil, cache, cache} { // the second time from the cache
+			for _, c := range []*sqltx.Cache{nil, cache, cache, cache} { // kept the second time, from the cache the third
 				p, err := c.PlanQuery(tt.sql, inBlock, failed, testCheck)
 				if !errors.Is(err, tt.err) {
 					t.Fatalf("PlanQuery(%q): %v, want %v", tt.sql, err, tt.err)

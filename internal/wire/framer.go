@@ -144,12 +144,13 @@ func unexpected(err error) error {
 	return err
 }
 
-// WriteHeader writes a message header for a body of n bytes.
+// WriteHeader writes a message header for a body of n bytes. It builds the
+// header in w's free buffer, so it allocates nothing (a local array would
+// escape to the heap through w.Write).
 func WriteHeader(w *bufio.Writer, typ byte, n int) error {
-	var hdr [5]byte
-	hdr[0] = typ
-	binary.BigEndian.PutUint32(hdr[1:], uint32(n+4))
-	_, err := w.Write(hdr[:])
+	hdr := append(w.AvailableBuffer(), typ)
+	hdr = binary.BigEndian.AppendUint32(hdr, uint32(n+4))
+	_, err := w.Write(hdr)
 	return err
 }
 
