@@ -16,8 +16,9 @@
 #               check added to pgbench's script (bench/*-check.sql): what the check costs the
 #               database alone, without the proxy's hop; needs BENCH_PROTOCOL=simple
 #
-# for two workloads, select-only (pgbench -S) and read-write (tpcb-like without branch and
-# teller updates, pgbench -N), BENCH_RUNS times, interleaved (all targets of one round, then
+# for the workloads of BENCH_WORKLOADS (default: select-only, pgbench -S, and read-write,
+# tpcb-like without branch and teller updates, pgbench -N; also available: tpcb-like, pgbench's
+# default read-write script with the teller and branch updates), BENCH_RUNS times, interleaved (all targets of one round, then
 # the next round) so that machine noise spreads over every target. Every target connects over
 # TCP on 127.0.0.1, and the proxy and pgbouncer reach PostgreSQL over TCP too, so each hop
 # costs the same kind of socket. Before every measured run the script does what pgbench does by
@@ -36,6 +37,8 @@
 #   BENCH_THREADS=2       pgbench threads (-j)
 #   BENCH_SCALE=10        pgbench scale factor (-i -s)
 #   BENCH_PROTOCOL=simple pgbench query protocol (-M): simple, extended or prepared
+#   BENCH_WORKLOADS="select-only read-write"   workloads, from select-only, read-write (-N) and
+#                         tpcb-like (pgbench's default script)
 #   BENCH_WARMUP=2        seconds of unmeasured warm-up per target and workload (0: none)
 #   BENCH_FSYNC=off       PostgreSQL fsync (off also sets synchronous_commit and
 #                         full_page_writes off: the disk is not what is measured)
@@ -61,7 +64,7 @@ read -r -a targets <<<"${BENCH_TARGETS:-direct fenceproxy pgbouncer fenced}"
 read -r -a proxy_extra <<<"${BENCH_PROXY_ARGS:-}"
 bin=${BENCH_BIN:-bin/fenceproxy}
 pg_bin=${FENCEPROXY_PG_BINDIR:-/usr/lib/postgresql/15/bin}
-workloads=(select-only read-write)
+read -r -a workloads <<<"${BENCH_WORKLOADS:-select-only read-write}"
 # Other work on the machine is the main source of noise: note how busy it was before we started.
 load_start=$(cut -d' ' -f1-3 /proc/loadavg)
 resource=bench
@@ -87,6 +90,12 @@ for t in "${targets[@]}"; do
 	direct-check) [[ $protocol == simple ]] || die "target direct-check needs BENCH_PROTOCOL=simple" ;;
 	*) die "unknown target '$t' in BENCH_TARGETS" ;;
 	esac
+done
+((${#workloads[@]} > 0)) || die "BENCH_WORKLOADS is empty"
+for w in "${workloads[@]}"; do
+	case $w in select-only | read-write | tpcb-like) ;; *) die "unknown workload '$w' in BENCH_WORKLOADS" ;; esac
+	[[ $w == tpcb-like && " ${targets[*]} " == *" direct-check "* ]] &&
+		die "target direct-check has no tpcb-like script (bench/*-check.sql): leave one of them out"
 done
 for p in initdb postgres pg_isready psql pgbench; do
 	[[ -x $pg_bin/$p ]] || die "$pg_bin/$p not found: run make deps (or set FENCEPROXY_PG_BINDIR)"
@@ -307,10 +316,12 @@ target_pid() {
 workload_flag() {
 	if [[ $1 == direct-check ]]; then
 		echo "-f bench/$2-check.sql -s $scale"
-	elif [[ $2 == select-only ]]; then
-		echo -S
 	else
-		echo -N
+		case $2 in
+		select-only) echo -S ;;
+		read-write) echo -N ;;
+		tpcb-like) echo "-b tpcb-like" ;;
+		esac
 	fi
 }
 
@@ -368,7 +379,7 @@ run() {
 		"${tps:-0}" "${lat:-0}" "$status"
 }
 
-repro="BENCH_SECONDS=$seconds BENCH_RUNS=$runs BENCH_CLIENTS=$clients BENCH_THREADS=$threads BENCH_SCALE=$scale BENCH_PROTOCOL=$protocol BENCH_WARMUP=$warmup BENCH_FSYNC=$fsync BENCH_TARGETS='${targets[*]}'"
+repro="BENCH_SECONDS=$seconds BENCH_RUNS=$runs BENCH_CLIENTS=$clients BENCH_THREADS=$threads BENCH_SCALE=$scale BENCH_PROTOCOL=$protocol BENCH_WORKLOADS='${workloads[*]}' BENCH_WARMUP=$warmup BENCH_FSYNC=$fsync BENCH_TARGETS='${targets[*]}'"
 [[ ${#proxy_extra[@]} -gt 0 ]] && repro+=" BENCH_PROXY_ARGS='${proxy_extra[*]}'"
 [[ -n ${BENCH_BIN:-} ]] && repro+=" BENCH_BIN=$BENCH_BIN"
 repro+=" bash bench/bench.sh"

@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# What the commit-time check costs PostgreSQL, in instructions: a diagnostic behind the numbers in
+# docs/BENCHMARKS.md ("What the check costs the database"). A benchmark, not a test.
+#
+# Throughput on the project's shared 2-core machines moves by 10-20% from one run to the next,
+# more than the check costs. Instruction counts do not: this script runs PostgreSQL 15 under
+# valgrind's callgrind and counts the instructions that the backend of one pgbench session
+# executes per transaction, which repeats to within a fraction of a percent whatever else the
+# machine does. It starts a throwaway cluster (as the `postgres` OS user when run as root) and
+# fenceproxy on private ports, installs the fence schema, and runs pgbench's read-write script
+# without branch updates (-N, one client, CHECK_TX transactions) through the proxy, for each
+# protocol (simple, prepared) and each variant:
+#
+#   unfenced   a session without a token: no check
+#   floor      fenced, fence.check replaced by a SQL function that does nothing: what any
+#              statement the proxy adds at a commit costs (Bind/Execute or EXECUTE, portal,
+#              executor start, a row back)
+#   v2         fenced, fence.check as migration 2 left it (PL/pgSQL: resource-name regex,
+#              current_setting, advisory lock, SELECT of the token row through SPI)
+#   shipped    fenced, fence.check as the migrations leave it (migration 3)
+#
+# and prints instructions per transaction, and the difference from unfenced.
+# Settings: CHECK_TX (2000 transactions per run). Needs valgrind (apt-get install valgrind).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ntx=${CHECK_TX:-2000}
+bin=${FENCEPROXY_PG_BINDIR:-/usr/lib/postgresql/15/bin}
+command -v valgrind >/dev/null || { echo "check-cost: needs valgrind (apt-get install valgrind)" >&2; exit 1; }
+go build -o bin/fenceproxy ./cmd/fenceproxy
+
+work=$(mktemp -d "${TMPDIR:-/tmp}/fenceproxy-cost.XXXXXX")
+as_pg=()
+if [[ $(id -u) == 0 ]]; then chown postgres "$work"; as_pg=(runuser -u postgres --); fi
+"${as_pg[@]}" mkdir "$work/cg"
+port=$((20000 + RANDOM % 6000)); proxy_port=$((port + 6000))
+"${as_pg[@]}" "$bin/initdb" -D "$work/data" -U postgres -A trust >/dev/null
+opts=(-c listen_addresses=127.0.0.1 -c fsync=off -c synchronous_commit=off -c full_page_writes=off -c autovacuum=off)
+proxy=
+cleanup() {
+	[[ -n $proxy ]] && kill "$proxy" 2>/dev/null
+	"${as_pg[@]}" "$bin/pg_ctl" -D "$work/data" stop -m immediate >/dev/null 2>&1 || true
+	rm -rf "$work"
+}
+trap cleanup EXIT
+export PGHOST=127.0.0.1 PGUSER=postgres
+# Load the data without valgrind (it would take minutes under it), then restart under callgrind.
+# autovacuum off: its workers would be traced too, and nothing here needs them.
+"${as_pg[@]}" "$bin/pg_ctl" -D "$work/data" -l "$work/setup.log" -w -o "-p $port -k $work ${opts[*]}" start >/dev/null
+PGPORT=$port "$bin/pgbench" -i -s 10 -q postgres 2>/dev/null
+bin/fenceproxy migrate --database "postgres://postgres@127.0.0.1:$port/postgres?sslmode=disable" >/dev/null
+PGPORT=$port "$bin/psql" -X -q -c "SELECT fence.raise('bench', 1)" -c CHECKPOINT postgres >/dev/null
+"${as_pg[@]}" "$bin/pg_ctl" -D "$work/data" -w stop >/dev/null
+"${as_pg[@]}" valgrind --tool=callgrind --callgrind-out-file="$work/cg/%p" \
+	"$bin/postgres" -D "$work/data" -p "$port" -k "$work" "${opts[@]}" >"$work/server.log" 2>&1 &
+for _ in $(seq 120); do PGPORT=$port "$bin/psql" -X -c 'SELECT 1' postgres >/dev/null 2>&1 && break; sleep 0.5; done
+bin/fenceproxy serve --listen "127.0.0.1:$proxy_port" --upstream "postgres://127.0.0.1:$port" --resource bench \
+	--unfenced allow --log-level warn 2>"$work/proxy.log" &
+proxy=$!
+psql_() { PGPORT=$port "$bin/psql" -X -q -v ON_ERROR_STOP=1 postgres "$@"; }
+
+shipped=$(psql_ -At -c "SELECT pg_get_functiondef('fence.check(text,bigint)'::regprocedure)")
+# Migration 2's fence.check: its first StatementBegin ... StatementEnd block.
+v2=$(awk '/-- \+goose StatementBegin/ { n++; next } /-- \+goose StatementEnd/ { if (n == 1) exit } n == 1' \
+	migrations/00002_hot_path_check.sql)
+floor='CREATE OR REPLACE FUNCTION fence.check(resource text, token bigint) RETURNS void LANGUAGE sql VOLATILE AS $fn$SELECT NULL::void$fn$'
+
+# instructions per transaction of the busiest backend of one pgbench run through the proxy
+count() { # protocol pgoptions
+	"${as_pg[@]}" find "$work/cg" -type f -delete
+	PGPORT=$proxy_port PGOPTIONS="$2" "$bin/pgbench" -n -N -c 1 -t "$ntx" -M "$1" postgres >"$work/pgbench.out" 2>&1 ||
+		{ cat "$work/pgbench.out" >&2; exit 1; }
+	sleep 1 # the backend writes its file when it exits
+	local best=0 n f
+	for f in "$work"/cg/*; do
+		n=$(awk '/^(summary|totals):/ { print $2; exit }' "$f")
+		((${n:-0} > best)) && best=$n
+	done
+	echo $((best / ntx))
+}
+fenced="-c fence.resource=bench -c fence.token=1"
+printf '%-9s %-9s %12s %10s %8s\n' protocol variant "instr/tx" "+instr" "+%"
+for protocol in simple prepared; do
+	base=$(count "$protocol" "")
+	printf '%-9s %-9s %12d\n' "$protocol" unfenced "$base"
+	for v in floor v2 shipped; do
+		case $v in
+		floor) psql_ -c "$floor" >/dev/null ;;
+		v2) psql_ -c "$v2" >/dev/null ;;
+		shipped) psql_ -c "$shipped" >/dev/null ;;
+		esac
+		n=$(count "$protocol" "$fenced")
+		printf '%-9s %-9s %12d %10d %7.1f%%\n' "$protocol" "$v" "$n" $((n - base)) "$(echo "100 * ($n - $base) / $base" | bc -l)"
+	done
+done
+echo "reproduce: CHECK_TX=$ntx bash bench/check-cost.sh"
