@@ -38,8 +38,10 @@ opts=(-c listen_addresses=127.0.0.1 -c fsync=off -c synchronous_commit=off -c fu
 proxy=
 cleanup() {
 	[[ -n $proxy ]] && kill "$proxy" 2>/dev/null
-	"${as_pg[@]}" "$bin/pg_ctl" -D "$work/data" stop -m immediate >/dev/null 2>&1 || true
-	rm -rf "$work"
+	"${as_pg[@]}" "$bin/pg_ctl" -D "$work/data" -w stop -m immediate >/dev/null 2>&1 || true
+	# Processes under valgrind write their callgrind files as they exit, after the postmaster.
+	sleep 1
+	rm -rf "$work" 2>/dev/null || { sleep 3; rm -rf "$work"; }
 }
 trap cleanup EXIT
 export PGHOST=127.0.0.1 PGUSER=postgres
