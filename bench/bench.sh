@@ -70,11 +70,9 @@ load_start=$(cut -d' ' -f1-3 /proc/loadavg)
 resource=bench
 token=1
 
-say() { printf 'bench: %s\n' "$*"; }
-die() {
-	printf 'bench: FAILED: %s\n' "$*" >&2
-	exit 1
-}
+prog=bench
+# shellcheck source=scripts/lib.sh
+. scripts/lib.sh
 
 for v in seconds runs clients threads scale warmup; do
 	[[ ${!v} =~ ^[0-9]+$ ]] || die "BENCH_${v^^} must be a whole number, not '${!v}'"
@@ -186,31 +184,6 @@ start() {
 
 alive() { kill -0 "${service_pid[$1]}" 2>/dev/null || die "$1 exited; its log: $(tail -n 20 "$2" 2>/dev/null)"; }
 
-wait_for() {
-	local what=$1 limit=$2 deadline
-	shift 2
-	deadline=$((SECONDS + limit))
-	until "$@"; do
-		((SECONDS < deadline)) || die "timed out after ${limit}s waiting for $what"
-		sleep 0.05
-	done
-}
-
-declare -A taken=()
-free_port() {
-	local port
-	for _ in $(seq 100); do
-		port=$((20000 + RANDOM % 12000))
-		[[ -z ${taken[$port]:-} ]] || continue
-		if ! (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
-			taken[$port]=1
-			printf -v "$1" %s "$port"
-			return
-		fi
-	done
-	die "no free port found"
-}
-listening() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
 # cpu_ticks PID: user + system CPU time of PID, in clock ticks.
 clk_tck=$(getconf CLK_TCK)

@@ -56,11 +56,9 @@ bin_dir=${DEMO_BIN_DIR:-bin}
 pg_bin=${FENCEPROXY_PG_BINDIR:-/usr/lib/postgresql/15/bin}
 replicas=(billing-1 billing-2 billing-3)
 
-say() { printf 'demo: %s\n' "$*"; }
-die() {
-	printf 'demo: FAILED: %s\n' "$*" >&2
-	exit 1
-}
+prog=demo
+# shellcheck source=scripts/lib.sh
+. scripts/lib.sh
 now() { date -u +%Y-%m-%dT%H:%M:%S.%6NZ; }
 
 started=$SECONDS
@@ -179,20 +177,6 @@ start() {
 
 # free_port VAR: sets VAR to a random port below the usual ephemeral range that nobody listened
 # on a moment ago and that this demo has not picked yet.
-declare -A taken=()
-free_port() {
-	local port
-	for _ in $(seq 100); do
-		port=$((20000 + RANDOM % 12000))
-		[[ -z ${taken[$port]:-} ]] || continue
-		if ! (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
-			taken[$port]=1
-			printf -v "$1" %s "$port"
-			return
-		fi
-	done
-	die "no free port found"
-}
 
 # http_get PORT PATH: the status line and body of an HTTP GET on 127.0.0.1 (no curl needed).
 http_get() {
@@ -201,16 +185,6 @@ http_get() {
 		sed -n "1p; 1,/^\r\{0,1\}$/d; p" <&3' _ "$1" "$2"
 }
 
-# wait_for DESCRIPTION SECONDS COMMAND...: polls COMMAND until it succeeds.
-wait_for() {
-	local what=$1 limit=$2 deadline
-	shift 2
-	deadline=$((SECONDS + limit))
-	until "$@"; do
-		((SECONDS < deadline)) || die "timed out after ${limit}s waiting for $what"
-		sleep 0.05
-	done
-}
 
 alive() { ours "${service_pid[$1]}" || die "$1 exited; its log: $(tail -n 20 "$2" 2>/dev/null)"; }
 
@@ -270,7 +244,7 @@ start fenceproxy "$work/fenceproxy.log" "$work/fenceproxy.log" \
 	fenceproxy serve --listen "127.0.0.1:$proxy_port" --upstream "postgres://127.0.0.1:$pg_port" \
 	--resource billing=locks/billing --consul-addr "127.0.0.1:$consul_port" \
 	--control-database "$admin_url" --log-format console
-proxy_ready() { alive fenceproxy "$work/fenceproxy.log" && (exec 3<>"/dev/tcp/127.0.0.1/$proxy_port") 2>/dev/null; }
+proxy_ready() { alive fenceproxy "$work/fenceproxy.log" && listening "$proxy_port"; }
 wait_for fenceproxy 30 proxy_ready
 say "fenceproxy on 127.0.0.1:$proxy_port"
 
