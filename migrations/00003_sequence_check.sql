@@ -81,8 +81,10 @@ BEGIN
         IF TG_OP = 'DELETE' THEN
             RETURN NULL;
         END IF;
-    ELSIF TG_OP = 'UPDATE' AND OLD.token = NEW.token THEN
-        RETURN NULL; -- updated_at only: no lock, no new file
+    ELSIF TG_OP = 'UPDATE' AND OLD.token = NEW.token
+          AND pg_catalog.pg_sequence_last_value(pg_catalog.to_regclass(pg_catalog.format('fence_token.%I', NEW.resource)))
+              IS NOT DISTINCT FROM NEW.token THEN
+        RETURN NULL; -- updated_at only, and the mirror is right: no new file
     END IF;
 
     seq := pg_catalog.format('fence_token.%I', NEW.resource);

@@ -9,7 +9,7 @@
 \pset pager off
 
 BEGIN;
-SELECT plan(31);
+SELECT plan(33);
 
 \ir _helpers.psql
 
@@ -97,6 +97,12 @@ SELECT is(pg_temp.mirror('tap-raise'), NULL::bigint, '... every one');
 SELECT pg_temp.raise('tap-raise-hand', 5) \g /dev/null
 SELECT dblink_exec('raiser', $$UPDATE fence.tokens SET token = 12 WHERE resource = 'tap-raise-hand'$$) \g /dev/null
 SELECT is(pg_temp.mirror('tap-raise-hand'), 12::bigint, 'an UPDATE of fence.tokens by its owner is mirrored');
+-- A mirror that drifted (changed behind the trigger's back) is repaired by fence.reset to the
+-- stored token, although the row's token does not change.
+SELECT x FROM dblink('raiser', $$SELECT setval('fence_token."tap-raise-hand"', 3)$$) AS t(x bigint) \g /dev/null
+SELECT is(pg_temp.mirror('tap-raise-hand'), 3::bigint, 'a drifted mirror (setval by the owner)');
+SELECT x FROM dblink('raiser', $$SELECT fence.reset('tap-raise-hand', 12)$$) AS t(x bigint) \g /dev/null
+SELECT is(pg_temp.mirror('tap-raise-hand'), 12::bigint, '... is repaired by fence.reset to the stored token');
 SELECT dblink_exec('raiser', $$DELETE FROM fence.tokens WHERE resource LIKE 'tap-raise%'$$) \g /dev/null
 SELECT dblink_disconnect('raiser') \g /dev/null
 SELECT dblink_disconnect('listener') \g /dev/null
