@@ -679,3 +679,79 @@ func waitForLockWait(t *testing.T, conn *pgx.Conn, pid uint32) {
 
 // allVersions are the embedded migrations, in order.
 var allVersions = []int64{1, 2, 3}
+
+// TestMigrateV3Upgrade: a database with tokens stored under schema version 2 gets the token
+// sequences that version 3's check reads, with the stored tokens; version 3's Down goes back
+// to version 2's check, which refuses stale tokens again, and Up again restores version 3.
+func TestMigrateV3Upgrade(t *testing.T) {
+	c := startSchemaCluster(t)
+	url := c.createDB(t)
+	if err := fence.MigrateTo(t.Context(), url, 2); err != nil {
+		t.Fatalf("migrate to version 2: %v", err)
+	}
+	conn := schemaConnect(t, url)
+	schemaExec(t, conn, "CREATE TABLE charges (id serial PRIMARY KEY, who text)")
+	mustRaise(t, conn, "billing", 7)
+	mustRaise(t, conn, "eu.billing-2", 3)
+	schemaExec(t, conn, "SELECT fence.reset('zero', 0)")
+
+	mirror := func(resource string) *int64 {
+		t.Helper()
+		var v *int64
+		if err := conn.QueryRow(t.Context(),
+			"SELECT pg_sequence_last_value(to_regclass('fence_token.' || quote_ident($1)))", resource).Scan(&v); err != nil {
+			t.Fatalf("read the mirror of %s: %v", resource, err)
+		}
+		return v
+	}
+	// checkedInsert runs a write and the check of resource and token in one transaction.
+	checkedInsert := func(resource string, token int64) error {
+		tx, err := conn.Begin(t.Context())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer tx.Rollback(context.Background()) //nolint:errcheck
+		if _, err := tx.Exec(t.Context(), "INSERT INTO charges (who) VALUES ($1)", resource); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := tx.Exec(t.Context(), "SELECT fence.check($1, $2)", resource, token); err != nil {
+			return err
+		}
+		return tx.Commit(t.Context())
+	}
+
+	if applied, err := fence.Migrate(t.Context(), url); err != nil || !slices.Equal(applied, []int64{3}) {
+		t.Fatalf("upgrade applied %v, %v; want [3]", applied, err)
+	}
+	for resource, want := range map[string]int64{"billing": 7, "eu.billing-2": 3, "zero": 0} {
+		if got := mirror(resource); got == nil || *got != want {
+			t.Fatalf("after the upgrade the mirror of %s is %v, want %d", resource, got, want)
+		}
+	}
+	if err := checkedInsert("billing", 7); err != nil {
+		t.Fatalf("version 3: the stored token passes: %v", err)
+	}
+	wantPgError(t, checkedInsert("billing", 6), fence.CodeStale, `stale fencing token: resource "billing" token 6 is lower than the highest admitted token 7`)
+	wantPgError(t, checkedInsert("eu.billing-2", 2), fence.CodeStale, "stale fencing token")
+
+	if err := fence.MigrateTo(t.Context(), url, 2); err != nil {
+		t.Fatalf("down to version 2: %v", err)
+	}
+	var schemaLeft bool
+	if err := conn.QueryRow(t.Context(), "SELECT to_regnamespace('fence_token') IS NOT NULL").Scan(&schemaLeft); err != nil || schemaLeft {
+		t.Fatalf("after Down, fence_token still exists: %v %v", schemaLeft, err)
+	}
+	mustRaise(t, conn, "billing", 8) // under version 2, no mirror
+	if err := checkedInsert("billing", 8); err != nil {
+		t.Fatalf("version 2 after Down: the stored token passes: %v", err)
+	}
+	wantPgError(t, checkedInsert("billing", 7), fence.CodeStale, "stale fencing token")
+
+	if applied, err := fence.Migrate(t.Context(), url); err != nil || !slices.Equal(applied, []int64{3}) {
+		t.Fatalf("up again applied %v, %v; want [3]", applied, err)
+	}
+	if got := mirror("billing"); got == nil || *got != 8 {
+		t.Fatalf("after Up again the mirror of billing is %v, want 8", got)
+	}
+	wantPgError(t, checkedInsert("billing", 7), fence.CodeStale, "stale fencing token")
+}
