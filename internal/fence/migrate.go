@@ -45,46 +45,47 @@ type MigrationState struct {
 // the database), or to own it when it exists; the functions it creates run with that role's
 // rights (SECURITY DEFINER), so it should not be an application's role.
 func Migrate(ctx context.Context, databaseURL string) (applied []int64, err error) {
-	db, err := openDB(databaseURL)
+	err = underLock(ctx, databaseURL, func(p *goose.Provider) error {
+		results, err := p.Up(ctx)
+		if err != nil {
+			return fmt.Errorf("fence: migrate: %w", err)
+		}
+		for _, r := range results {
+			applied = append(applied, r.Source.Version)
+		}
+		return nil
+	})
 	if err != nil {
 		return nil, err
-	}
-	defer func() { err = errors.Join(err, db.Close()) }()
-
-	p, err := newProvider(db)
-	if err != nil {
-		return nil, err
-	}
-	unlock, err := lockAndCreateSchema(ctx, db)
-	if err != nil {
-		return nil, err
-	}
-	defer func() { err = errors.Join(err, unlock()) }()
-
-	results, err := p.Up(ctx)
-	if err != nil {
-		return nil, fmt.Errorf("fence: migrate: %w", err)
-	}
-	for _, r := range results {
-		applied = append(applied, r.Source.Version)
 	}
 	return applied, nil
+}
+
+// underLock runs fn with goose's provider for the database at databaseURL, the migration lock
+// held and the fence schema created (see lockAndCreateSchema).
+func underLock(ctx context.Context, databaseURL string, fn func(*goose.Provider) error) (err error) {
+	p, db, err := migrator(databaseURL)
+	if err != nil {
+		return err
+	}
+	defer func() { err = errors.Join(err, db.Close()) }()
+	unlock, err := lockAndCreateSchema(ctx, db)
+	if err != nil {
+		return err
+	}
+	defer func() { err = errors.Join(err, unlock()) }()
+	return fn(p)
 }
 
 // MigrationStatus reports every known migration of the fence schema and whether the database at
 // databaseURL has it applied. Unlike goose's own status it changes nothing: on a database
 // without the fence schema every migration is reported pending.
 func MigrationStatus(ctx context.Context, databaseURL string) (_ []MigrationState, err error) {
-	db, err := openDB(databaseURL)
+	p, db, err := migrator(databaseURL)
 	if err != nil {
 		return nil, err
 	}
 	defer func() { err = errors.Join(err, db.Close()) }()
-
-	p, err := newProvider(db)
-	if err != nil {
-		return nil, err
-	}
 
 	var exists bool
 	if err := db.QueryRowContext(ctx, "SELECT to_regclass($1) IS NOT NULL", versionTable).Scan(&exists); err != nil {
@@ -124,16 +125,22 @@ func openDB(databaseURL string) (*sql.DB, error) {
 	return stdlib.OpenDB(*cfg), nil
 }
 
-func newProvider(db *sql.DB) (*goose.Provider, error) {
+// migrator opens the database at databaseURL and returns goose's provider for the embedded
+// migrations, and the handle for the caller to close.
+func migrator(databaseURL string) (*goose.Provider, *sql.DB, error) {
+	db, err := openDB(databaseURL)
+	if err != nil {
+		return nil, nil, err
+	}
 	p, err := goose.NewProvider(goose.DialectPostgres, db, migrations.FS,
 		goose.WithTableName(versionTable),
 		goose.WithDisableGlobalRegistry(true),
 		goose.WithLogger(goose.NopLogger()),
 	)
 	if err != nil {
-		return nil, fmt.Errorf("fence: migrate: %w", err)
+		return nil, nil, errors.Join(fmt.Errorf("fence: migrate: %w", err), db.Close())
 	}
-	return p, nil
+	return p, db, nil
 }
 
 // lockAndCreateSchema takes the migration lock on a connection of its own and creates the
