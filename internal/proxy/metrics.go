@@ -49,9 +49,10 @@ func (m *Metrics) rejection(code string) {
 	}
 }
 
-func (m *Metrics) check() {
-	if m != nil {
-		m.Checks.Inc()
+// checks counts n injected checks.
+func (m *Metrics) checks(n int) {
+	if m != nil && n > 0 {
+		m.Checks.Add(float64(n))
 	}
 }
 

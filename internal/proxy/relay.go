@@ -1095,7 +1095,7 @@ func (sess *session) afterEnd(c *cstate, u *unit) error {
 
 // injectCheck sends the proxy's check before the message being handled.
 func (sess *session) injectCheck(c *cstate) error {
-	sess.srv.metrics.check()
+	sess.srv.metrics.checks(1)
 	if sess.ownPrepared.Load() {
 		if c.exact {
 			// Every place a check goes ends the transaction right after it
@@ -1255,9 +1255,7 @@ func (sess *session) onQuery(c *cstate) error {
 			es[i].ours, es[i].check = true, true
 		}
 	}
-	for range plan.Checks {
-		sess.srv.metrics.check()
-	}
+	sess.srv.metrics.checks(plan.Checks)
 	// The Query ends the unit; its statements decide the state after it.
 	c.kinds = append(c.kinds, plan.Kinds...)
 	return sess.endQuery(c, plan.Text, es)
