@@ -32,9 +32,9 @@ import (
 // A cache miss of a new SELECT text costs 1.2-1.25 µs (1.45-1.5 µs when
 // every text was kept on first sight), an uncached call 1.7 µs (it also
 // validates the check). BenchmarkCache/PlanQuery/pgbench_transaction, the
-// five texts of one pgbench -N transaction with new literal values: 4.3-4.5
-// µs and 27 allocations (5.1-5.5 µs and 33 when kept on first sight),
-// 12.4-13.3 µs uncached. BenchmarkPlanQueryParallel: 1.5 µs/op with -cpu 1,
+// five texts of one pgbench -N transaction with new literal values: 4.2-4.3
+// µs and 27 allocations (5.2-5.3 µs and 33 when kept on first sight),
+// 12.1-12.3 µs uncached. BenchmarkPlanQueryParallel: 1.5 µs/op with -cpu 1,
 // 0.8 µs/op with -cpu 2 (-benchtime 3s, 1.6 cores busy): this package takes
 // no lock outside a Cache, and libpg_query keeps its state per thread.
 
