@@ -15,12 +15,17 @@
 #   floor      fenced, fence.check replaced by a SQL function that does nothing: what any
 #              statement the proxy adds at a commit costs (Bind/Execute or EXECUTE, portal,
 #              executor start, a row back)
+#   plpgsql    fenced, fence.check replaced by a PL/pgSQL function with the xid test only: what
+#              the PL/pgSQL call itself costs
 #   v2         fenced, fence.check as migration 2 left it (PL/pgSQL: resource-name regex,
 #              current_setting, advisory lock, SELECT of the token row through SPI)
 #   shipped    fenced, fence.check as the migrations leave it (migration 3)
 #
 # and prints instructions per transaction, and the difference from unfenced.
-# Settings: CHECK_TX (2000 transactions per run). Needs valgrind (apt-get install valgrind).
+# Settings: CHECK_TX (2000 transactions per run); CHECK_KEEP=1 keeps the temporary folder with
+# each run's callgrind file (<protocol>-<variant>.callgrind), for
+# `callgrind_annotate --inclusive=yes FILE` to show where the instructions go.
+# Needs valgrind (apt-get install valgrind).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ntx=${CHECK_TX:-2000}
@@ -39,6 +44,7 @@ proxy=
 cleanup() {
 	[[ -n $proxy ]] && kill "$proxy" 2>/dev/null
 	"${as_pg[@]}" "$bin/pg_ctl" -D "$work/data" -w stop -m immediate >/dev/null 2>&1 || true
+	if [[ ${CHECK_KEEP:-0} == 1 ]]; then echo "check-cost: kept $work" >&2; return; fi
 	# Processes under valgrind write their callgrind files as they exit, after the postmaster.
 	sleep 1
 	rm -rf "$work" 2>/dev/null || { sleep 3; rm -rf "$work"; }
@@ -65,32 +71,36 @@ shipped=$(psql_ -At -c "SELECT pg_get_functiondef('fence.check(text,bigint)'::re
 v2=$(awk '/-- \+goose StatementBegin/ { n++; next } /-- \+goose StatementEnd/ { if (n == 1) exit } n == 1' \
 	migrations/00002_hot_path_check.sql)
 floor='CREATE OR REPLACE FUNCTION fence.check(resource text, token bigint) RETURNS void LANGUAGE sql VOLATILE AS $fn$SELECT NULL::void$fn$'
+plpgsql='CREATE OR REPLACE FUNCTION fence.check(resource text, token bigint) RETURNS void LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+  AS $fn$BEGIN IF pg_catalog.pg_current_xact_id_if_assigned() IS NULL THEN RETURN; END IF; END$fn$'
 
 # instructions per transaction of the busiest backend of one pgbench run through the proxy
-count() { # protocol pgoptions
+count() { # protocol variant pgoptions
 	"${as_pg[@]}" find "$work/cg" -type f -delete
-	PGPORT=$proxy_port PGOPTIONS="$2" "$bin/pgbench" -n -N -c 1 -t "$ntx" -M "$1" postgres >"$work/pgbench.out" 2>&1 ||
+	PGPORT=$proxy_port PGOPTIONS="$3" "$bin/pgbench" -n -N -c 1 -t "$ntx" -M "$1" postgres >"$work/pgbench.out" 2>&1 ||
 		{ cat "$work/pgbench.out" >&2; exit 1; }
 	sleep 1 # the backend writes its file when it exits
-	local best=0 n f
+	local best=0 bestf= n f
 	for f in "$work"/cg/*; do
 		n=$(awk '/^(summary|totals):/ { print $2; exit }' "$f")
-		((${n:-0} > best)) && best=$n
+		((${n:-0} > best)) && best=$n bestf=$f
 	done
+	[[ ${CHECK_KEEP:-0} == 1 && -n $bestf ]] && cp "$bestf" "$work/$1-$2.callgrind"
 	echo $((best / ntx))
 }
 fenced="-c fence.resource=bench -c fence.token=1"
 printf '%-9s %-9s %12s %10s %8s\n' protocol variant "instr/tx" "+instr" "+%"
 for protocol in simple prepared; do
-	base=$(count "$protocol" "")
+	base=$(count "$protocol" unfenced "")
 	printf '%-9s %-9s %12d\n' "$protocol" unfenced "$base"
-	for v in floor v2 shipped; do
+	for v in floor plpgsql v2 shipped; do
 		case $v in
 		floor) psql_ -c "$floor" >/dev/null ;;
+		plpgsql) psql_ -c "$plpgsql" >/dev/null ;;
 		v2) psql_ -c "$v2" >/dev/null ;;
 		shipped) psql_ -c "$shipped" >/dev/null ;;
 		esac
-		n=$(count "$protocol" "$fenced")
+		n=$(count "$protocol" "$v" "$fenced")
 		printf '%-9s %-9s %12d %10d %7.1f%%\n' "$protocol" "$v" "$n" $((n - base)) "$(echo "100 * ($n - $base) / $base" | bc -l)"
 	done
 done

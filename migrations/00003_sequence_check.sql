@@ -1,10 +1,10 @@
 -- Version 3 of the hot path: the commit-time check without PL/pgSQL, without a snapshot read and
 -- without an advisory lock. Measured with callgrind on the PostgreSQL backend of one pgbench
 -- session (tpcb-like without branch updates, simple protocol, through fenceproxy; instructions
--- per transaction, repeatable to the last few hundred; docs/BENCHMARKS.md says how): no check
--- 387 k; version 2's check 502 k (+114 k: 23 k in the resource-name regex, 33 k in the SPI
+-- per transaction, repeatable within 0.3%; `bash bench/check-cost.sh`, docs/BENCHMARKS.md): no
+-- check 391 k; version 2's check +115 k (23 k in the resource-name regex, 33 k in the SPI
 -- SELECT of the token row, the rest in the PL/pgSQL call, the advisory lock and
--- current_setting); an empty PL/pgSQL function 427 k (+40 k); this version +45 to +50 k.
+-- current_setting); an empty PL/pgSQL function +40 k; this version +42 to +43 k.
 --
 -- Where the token lives now. Every row of fence.tokens has a mirror: the sequence
 -- fence_token."<resource>" (named exactly as the resource, in a schema of its own so that no name
