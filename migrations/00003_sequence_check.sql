@@ -113,24 +113,9 @@ CREATE TRIGGER tokens_mirror_truncate
     AFTER TRUNCATE ON fence.tokens
     FOR EACH STATEMENT EXECUTE FUNCTION fence.mirror_token();
 
--- Mirror the rows that exist already.
--- +goose StatementBegin
-DO $do$
-DECLARE
-    r record;
-    seq text;
-BEGIN
-    FOR r IN SELECT t.resource, t.token FROM fence.tokens AS t LOOP
-        seq := pg_catalog.format('fence_token.%I', r.resource);
-        IF pg_catalog.to_regclass(seq) IS NULL THEN
-            EXECUTE pg_catalog.format('CREATE SEQUENCE %s AS bigint MINVALUE 0 START WITH %s', seq, r.token);
-            EXECUTE pg_catalog.format('GRANT SELECT ON SEQUENCE %s TO PUBLIC', seq);
-        END IF;
-        PERFORM pg_catalog.setval(seq::pg_catalog.regclass, r.token, true);
-    END LOOP;
-END
-$do$;
--- +goose StatementEnd
+-- Mirror the rows that exist already: an update that keeps each token fires the trigger, which
+-- creates the sequence when it is missing.
+UPDATE fence.tokens SET token = token;
 
 -- fence.reject is the check's error path: it finds out what is wrong and raises the error.
 -- Only ever called by fence.check (directly, or inlined) when the check fails; it never returns.
