@@ -874,12 +874,10 @@ func (sess *session) lexUnsafe(kinds ...sqltx.Kind) error {
 			return errEncoding
 		}
 	}
-	sess.mu.Lock()
-	defer sess.mu.Unlock()
-	if !sess.stdStrings {
+	if sess.stdStringsOff.Load() {
 		return errStdStrings
 	}
-	if sess.encodingUnsafe {
+	if sess.encodingUnsafe.Load() {
 		return errEncoding
 	}
 	return nil

@@ -62,18 +62,19 @@ type session struct {
 	cancelSent    atomic.Bool
 	shuttingDown  atomic.Bool
 	closeReason   atomic.Pointer[fence.Error]
+	// The server's lexing settings as last reported (ParameterStatus), read
+	// for every Query and Parse of a fenced session: atomics, no lock.
+	stdStringsOff  atomic.Bool // standard_conforming_strings is off
+	encodingUnsafe atomic.Bool // client_encoding may hide a backslash in a multibyte character
 
 	// Shared between the two relay directions, guarded by mu.
-	mu             sync.Mutex
-	cond           *sync.Cond
-	status         byte // from the last ReadyForQuery relayed
-	outstanding    int  // units (Sync, Query, FunctionCall) forwarded but not answered
-	closed         bool
-	done           chan struct{} // closed when the relay ends
-	queue          entryQueue
-	stdStrings     bool   // standard_conforming_strings as last reported
-	encodingUnsafe bool   // client_encoding may hide a backslash in a multibyte character
-	encoding       string // client_encoding as last reported
+	mu          sync.Mutex
+	cond        *sync.Cond
+	status      byte // from the last ReadyForQuery relayed
+	outstanding int  // units (Sync, Query, FunctionCall) forwarded but not answered
+	closed      bool
+	done        chan struct{} // closed when the relay ends
+	queue       entryQueue
 }
 
 type checkMode uint8
@@ -103,7 +104,7 @@ func fatalFence(fe *fence.Error) *fatal {
 }
 
 func (s *Server) handle(ctx context.Context, conn net.Conn) {
-	sess := &session{srv: s, client: conn, status: 'I', stdStrings: true, done: make(chan struct{})}
+	sess := &session{srv: s, client: conn, status: 'I', done: make(chan struct{})}
 	sess.cond = sync.NewCond(&sess.mu)
 	sess.log = s.log.With(zap.Uint64("session", s.sessionIDs.Add(1)))
 	if tc, ok := conn.(*net.TCPConn); ok {
@@ -458,14 +459,9 @@ func (sess *session) noteParameter(body []byte) {
 	val, _, _ := wire.CString(rest)
 	switch name {
 	case "standard_conforming_strings":
-		sess.mu.Lock()
-		sess.stdStrings = val == "on"
-		sess.mu.Unlock()
+		sess.stdStringsOff.Store(val != "on")
 	case "client_encoding":
-		sess.mu.Lock()
-		sess.encodingUnsafe = !sqltx.ClientEncodingSafe(val)
-		sess.encoding = val
-		sess.mu.Unlock()
+		sess.encodingUnsafe.Store(!sqltx.ClientEncodingSafe(val))
 	}
 }
 
