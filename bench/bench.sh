@@ -18,8 +18,9 @@
 #
 # for the workloads of BENCH_WORKLOADS (default: select-only, pgbench -S, and read-write,
 # tpcb-like without branch and teller updates, pgbench -N; also available: tpcb-like, pgbench's
-# default read-write script with the teller and branch updates), BENCH_RUNS times, interleaved (all targets of one round, then
-# the next round) so that machine noise spreads over every target. Every target connects over
+# default read-write script with the teller and branch updates), BENCH_RUNS times, interleaved (all
+# targets of one round, then the next round; even rounds in reverse order) so that machine noise
+# spreads over every target. Every target connects over
 # TCP on 127.0.0.1, and the proxy and pgbouncer reach PostgreSQL over TCP too, so each hop
 # costs the same kind of socket. Before every measured run the script does what pgbench does by
 # default (VACUUM of branches and tellers, TRUNCATE of history), plus a CHECKPOINT, directly on
@@ -27,8 +28,10 @@
 # and outside the measurement.
 #
 # It prints the individual runs, then a table of median TPS and latency per target and
-# workload, the ratios, the CPU each middleman spent per transaction, and the proxy's peak RSS
-# and CPU time. Every process and folder it starts is removed on exit.
+# workload; where each transaction's CPU time went (PostgreSQL's processes, the middleman, the
+# rest of the machine, and idle time, from /proc); the ratios, of the medians and as the median
+# of the per-round ratios; and the proxy's peak RSS and CPU time. Every process and folder it
+# starts is removed on exit.
 #
 # Settings (environment variables):
 #   BENCH_SECONDS=10      duration of each measured pgbench run (-T)
@@ -313,23 +316,45 @@ prepare() {
 		-c 'TRUNCATE pgbench_history' -c 'CHECKPOINT' >/dev/null
 }
 
-results=$work/results.tsv # workload target run tps latency_ms transactions failed cpu_ticks status
+# PostgreSQL's CPU: the postmaster's own and its reaped children's (cutime, cstime), plus every
+# live child's. A backend reaped while the children are read would be counted twice, or not at
+# all; its time then moves into the postmaster's cutime, so the reads repeat until that stays put.
+pg_cpu_ticks() {
+	local pm first total child
+	pm=$(head -n1 "$pg_dir/data/postmaster.pid")
+	reaped() { awk '{ sub(/^.*\) /, ""); print $12 + $13 + $14 + $15 }' "/proc/$pm/stat"; }
+	while :; do
+		first=$(reaped) total=0
+		for child in $(pgrep -P "$pm"); do total=$((total + $(cpu_ticks "$child"))); done
+		[[ $(reaped) == "$first" ]] && break
+	done
+	echo $((first + total))
+}
+# idle_ticks, busy_ticks: the machine's idle (with iowait) and other time, all CPUs (/proc/stat).
+idle_ticks() { awk '$1 == "cpu" { print $5 + $6; exit }' /proc/stat; }
+busy_ticks() { awk '$1 == "cpu" { print $2 + $3 + $4 + $7 + $8 + $9; exit }' /proc/stat; }
+
+results=$work/results.tsv # workload target run tps latency_ms transactions failed cpu_ticks status pg_ticks idle_ticks busy_ticks
 : >"$results"
 failures=0
 
 # run TARGET WORKLOAD RUN SECONDS: one pgbench run; RUN 0 is a warm-up (not recorded).
 run() {
 	local target=$1 workload=$2 n=$3 secs=$4 out pid before after rc=0 tps lat ntx failed status=ok
+	local pg_before pg_after idle_before idle_after busy_before busy_after
 	out=$work/pgbench-$workload-$target-$n.log
 	pgbench_cmd "$target" "$workload" "$secs"
 	prepare
 	pid=$(target_pid "$target")
 	before=0
 	[[ -n $pid ]] && before=$(cpu_ticks "$pid")
+	pg_before=$(pg_cpu_ticks) idle_before=$(idle_ticks) busy_before=$(busy_ticks)
 	# A hang of a target must not hang the benchmark.
 	timeout -k 5 $((secs + 60)) "${cmd[@]}" >"$out" 2>&1 || rc=$?
 	after=0
 	[[ -n $pid ]] && after=$(cpu_ticks "$pid")
+	idle_after=$(idle_ticks) busy_after=$(busy_ticks)
+	pg_after=$(pg_cpu_ticks)
 	tps=$(sed -n 's/^tps = \([0-9.]*\) (without initial connection time)$/\1/p' "$out")
 	lat=$(sed -n 's/^latency average = \([0-9.]*\) ms$/\1/p' "$out")
 	ntx=$(sed -n 's/^number of transactions actually processed: \([0-9]*\).*/\1/p' "$out")
@@ -346,8 +371,9 @@ run() {
 		say "  command: $(printf '%q ' "${cmd[@]}")"
 	fi
 	((n == 0)) && return 0
-	printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$workload" "$target" "$n" "${tps:-0}" "${lat:-0}" \
-		"${ntx:-0}" "${failed:-0}" "$((after - before))" "$status" >>"$results"
+	printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$workload" "$target" "$n" "${tps:-0}" "${lat:-0}" \
+		"${ntx:-0}" "${failed:-0}" "$((after - before))" "$status" "$((pg_after - pg_before))" \
+		"$((idle_after - idle_before))" "$((busy_after - busy_before))" >>"$results"
 	printf 'bench: round %d  %-11s %-12s %10.0f tps  %7.3f ms  %s\n' "$n" "$workload" "$target" \
 		"${tps:-0}" "${lat:-0}" "$status"
 }
@@ -371,8 +397,14 @@ if ((warmup > 0)); then
 	for w in "${workloads[@]}"; do for t in "${targets[@]}"; do run "$t" "$w" 0 "$warmup"; done; done
 fi
 say "measuring: $runs round(s) x ${#workloads[@]} workloads x ${#targets[@]} targets x ${seconds}s"
+# Odd rounds run the targets in the listed order, even rounds in reverse (A B, B A, ...): no
+# target always runs first or right after another one.
+reversed=()
+for ((i = ${#targets[@]} - 1; i >= 0; i--)); do reversed+=("${targets[i]}"); done
 for ((r = 1; r <= runs; r++)); do
-	for w in "${workloads[@]}"; do for t in "${targets[@]}"; do run "$t" "$w" "$r" "$seconds"; done; done
+	order=("${targets[@]}")
+	((r % 2 == 0)) && order=("${reversed[@]}")
+	for w in "${workloads[@]}"; do for t in "${order[@]}"; do run "$t" "$w" "$r" "$seconds"; done; done
 done
 measured=$((SECONDS - started))
 load_after=$(cut -d' ' -f1-3 /proc/loadavg)
@@ -406,7 +438,7 @@ echo "targets over TCP 127.0.0.1; fenced = the proxy with PGOPTIONS='$(target_op
 echo "reproduce (from the repository root): $repro"
 echo
 
-awk -F'\t' -v order="${targets[*]}" -v hz="$clk_tck" -v wl="${workloads[*]}" '
+awk -F'\t' -v order="${targets[*]}" -v hz="$clk_tck" -v wl="${workloads[*]}" -v runs_n="$runs" '
 function median(list,   a, n, i, j, t) {
 	n = split(list, a, " ")
 	for (i = 2; i <= n; i++) { t = a[i]; for (j = i - 1; j >= 1 && a[j] + 0 > t + 0; j--) a[j + 1] = a[j]; a[j + 1] = t }
@@ -416,7 +448,13 @@ function median(list,   a, n, i, j, t) {
 {
 	k = $1 SUBSEP $2
 	if ($9 == "ok") {
-		tps[k] = tps[k] " " $4; lat[k] = lat[k] " " $5
+		tps[k] = tps[k] " " $4; lat[k] = lat[k] " " $5; round[k, $3] = $4 + 0
+		if ($6 > 0) {
+			per = 1e6 / hz / $6
+			busy_us[k] = busy_us[k] " " $12 * per; pg_us[k] = pg_us[k] " " $10 * per
+			mid_us[k] = mid_us[k] " " $8 * per; idle_us[k] = idle_us[k] " " $11 * per
+			rest_us[k] = rest_us[k] " " ($12 - $10 - $8) * per
+		}
 		if (!(k in lo) || $4 + 0 < lo[k]) lo[k] = $4 + 0
 		if (!(k in hi) || $4 + 0 > hi[k]) hi[k] = $4 + 0
 	}
@@ -443,6 +481,17 @@ END {
 	print "max/min: fastest run over slowest run of the cell"
 	if (noisy) printf "WARNING: in %d cell(s) the runs differ by more than 30%%: the machine was busy (see the load\naverage below); rerun on a quiet machine, or with more BENCH_RUNS, before trusting the ratios\n", noisy
 	print ""
+	print "CPU time per transaction, us (median of the runs): the machine\x27s busy time split into PostgreSQL"
+	print "(postmaster and all its processes), the middleman (proxy or pgbouncer) and the rest (pgbench,"
+	print "the kernel\x27s own threads, anything else running); idle: time no CPU had work"
+	printf "%-11s %-12s %9s %11s %10s %9s %9s\n", "workload", "target", "busy", "PostgreSQL", "middleman", "rest", "idle"
+	for (w = 1; w <= nw; w++) for (t = 1; t <= nt; t++) {
+		k = W[w] SUBSEP T[t]
+		if (!(k in busy_us)) continue
+		printf "%-11s %-12s %9.1f %11.1f %10s %9.1f %9.1f\n", W[w], T[t], median(busy_us[k]), median(pg_us[k]),
+			(T[t] ~ /^direct/) ? "-" : sprintf("%.1f", median(mid_us[k])), median(rest_us[k]), median(idle_us[k])
+	}
+	print ""
 	printf "%-34s", "ratio of median TPS"
 	for (w = 1; w <= nw; w++) printf " %12s", W[w]
 	print ""
@@ -461,7 +510,30 @@ END {
 		}
 		print ""
 	}
-	if (!shown) print "(none: BENCH_TARGETS has no pair of targets that these ratios compare)"
+	if (!shown) { print "(none: BENCH_TARGETS has no pair of targets that these ratios compare)"; exit }
+	# The same ratios taken round by round: the two runs of a round are minutes apart at most, so
+	# a slow drift of the machine (other tenants) cancels out of each ratio.
+	print ""
+	printf "%-34s", "median of per-round ratios"
+	for (w = 1; w <= nw; w++) printf " %19s", W[w] " (min-max)"
+	print ""
+	for (r = 1; r <= nr; r++) {
+		split(R[r], ab, "/")
+		if (!(W[1] SUBSEP ab[1] in runs) || !(W[1] SUBSEP ab[2] in runs)) continue
+		printf "%-34s", (R[r] in label) ? label[R[r]] : R[r]
+		for (w = 1; w <= nw; w++) {
+			list = ""; lo_r = 0; hi_r = 0
+			for (i = 1; i <= runs_n; i++) {
+				a = W[w] SUBSEP ab[1]; b = W[w] SUBSEP ab[2]
+				if (!((a, i) in round) || !((b, i) in round) || round[b, i] <= 0) continue
+				q = round[a, i] / round[b, i]; list = list " " q
+				if (lo_r == 0 || q < lo_r) lo_r = q
+				if (q > hi_r) hi_r = q
+			}
+			if (list == "") printf " %19s", "n/a"; else printf " %7.3f (%.2f-%.2f)", median(list), lo_r, hi_r
+		}
+		print ""
+	}
 }' "$results"
 
 echo

@@ -21,10 +21,23 @@
 #              current_setting, advisory lock, SELECT of the token row through SPI)
 #   shipped    fenced, fence.check as the migrations leave it (migration 3)
 #
-# and prints instructions per transaction, and the difference from unfenced.
-# Settings: CHECK_TX (2000 transactions per run); CHECK_KEEP=1 keeps the temporary folder with
-# each run's callgrind file (<protocol>-<variant>.callgrind), for
-# `callgrind_annotate --inclusive=yes FILE` to show where the instructions go.
+# and, on request (CHECK_VARIANTS), parts of the shipped check's body, each as the inlined SQL
+# function in place of fence.check:
+#
+#   xidonly    the first test alone (no transaction id assigned: nothing to check)
+#   seqonly    the sequence read alone, the sequence named by a regclass constant
+#   regconst   the shipped body with the sequence named by a regclass constant instead of
+#              to_regclass() of 'fence_token.' || quote_ident(resource) (the resource is bench)
+#
+# and prints instructions per transaction, and the difference from unfenced. Per transaction
+# means marginal: each variant runs twice, CHECK_TX/4 and CHECK_TX/4 + CHECK_TX transactions, and
+# the difference is divided by CHECK_TX, so that what a session costs once (connection, the raise
+# of its token, the PREPARE of the check) is left out.
+# Settings: CHECK_TX (2000 transactions); CHECK_PROTOCOLS ("simple prepared"); CHECK_VARIANTS
+# ("floor plpgsql v2 shipped", from the lists above); CHECK_KEEP=1 keeps the temporary folder with each run's
+# callgrind file (<protocol>-<variant>-<transactions>.callgrind), for
+# `callgrind_annotate --inclusive=yes FILE` to show where the instructions go (compare the
+# two runs of a variant for per-transaction figures).
 # Needs valgrind (apt-get install valgrind).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -74,10 +87,10 @@ floor='CREATE OR REPLACE FUNCTION fence.check(resource text, token bigint) RETUR
 plpgsql='CREATE OR REPLACE FUNCTION fence.check(resource text, token bigint) RETURNS void LANGUAGE plpgsql VOLATILE SECURITY DEFINER
   AS $fn$BEGIN IF pg_catalog.pg_current_xact_id_if_assigned() IS NULL THEN RETURN; END IF; END$fn$'
 
-# instructions per transaction of the busiest backend of one pgbench run through the proxy
-count() { # protocol variant pgoptions
+# instructions of the busiest backend of one pgbench run of $4 transactions through the proxy
+instructions() { # protocol variant pgoptions transactions
 	"${as_pg[@]}" find "$work/cg" -type f -delete
-	PGPORT=$proxy_port PGOPTIONS="$3" "$bin/pgbench" -n -N -c 1 -t "$ntx" -M "$1" postgres >"$work/pgbench.out" 2>&1 ||
+	PGPORT=$proxy_port PGOPTIONS="$3" "$bin/pgbench" -n -N -c 1 -t "$4" -M "$1" postgres >"$work/pgbench.out" 2>&1 ||
 		{ cat "$work/pgbench.out" >&2; exit 1; }
 	sleep 1 # the backend writes its file when it exits
 	local best=0 bestf= n f
@@ -85,23 +98,46 @@ count() { # protocol variant pgoptions
 		n=$(awk '/^(summary|totals):/ { print $2; exit }' "$f")
 		((${n:-0} > best)) && best=$n bestf=$f
 	done
-	[[ ${CHECK_KEEP:-0} == 1 && -n $bestf ]] && cp "$bestf" "$work/$1-$2.callgrind"
-	echo $((best / ntx))
+	[[ ${CHECK_KEEP:-0} == 1 && -n $bestf ]] && cp "$bestf" "$work/$1-$2-$4.callgrind"
+	echo "$best"
 }
+# instructions per transaction: the difference between a run of CHECK_TX/4 transactions and one
+# of CHECK_TX more, so that what a session costs once (startup, the raise of its token, the
+# PREPARE of the check) is not spread over its transactions.
+count() { # protocol variant pgoptions
+	local short=$((ntx / 4 > 0 ? ntx / 4 : 1)) a b
+	a=$(instructions "$@" "$short")
+	b=$(instructions "$@" $((short + ntx)))
+	echo $(((b - a) / ntx))
+}
+# body SQL: fence.check as an inlinable SQL function with that body
+body() {
+	psql_ -c "CREATE OR REPLACE FUNCTION fence.check(resource text, token bigint) RETURNS void LANGUAGE sql
+  VOLATILE AS \$fn\$$1\$fn\$" >/dev/null
+}
+no_xid='pg_catalog.pg_current_xact_id_if_assigned() IS NULL'
+seq_const="pg_catalog.pg_sequence_last_value('fence_token.bench'::pg_catalog.regclass)"
+within='token OPERATOR(pg_catalog.>) 0::bigint AND pg_catalog.octet_length(resource) OPERATOR(pg_catalog.<) 64'
 fenced="-c fence.resource=bench -c fence.token=1"
 printf '%-9s %-9s %12s %10s %8s\n' protocol variant "instr/tx" "+instr" "+%"
-for protocol in simple prepared; do
+for protocol in ${CHECK_PROTOCOLS:-simple prepared}; do
 	base=$(count "$protocol" unfenced "")
 	printf '%-9s %-9s %12d\n' "$protocol" unfenced "$base"
-	for v in floor plpgsql v2 shipped; do
+	for v in ${CHECK_VARIANTS:-floor plpgsql v2 shipped}; do
 		case $v in
 		floor) psql_ -c "$floor" >/dev/null ;;
 		plpgsql) psql_ -c "$plpgsql" >/dev/null ;;
 		v2) psql_ -c "$v2" >/dev/null ;;
 		shipped) psql_ -c "$shipped" >/dev/null ;;
+		xidonly) body "SELECT CASE WHEN $no_xid THEN NULL::void ELSE NULL::void END" ;;
+		seqonly) body "SELECT CASE WHEN ($seq_const OPERATOR(pg_catalog.<=) token) IS TRUE THEN NULL::void ELSE NULL::void END" ;;
+		regconst) body "SELECT CASE WHEN $no_xid THEN NULL WHEN $within AND ($seq_const OPERATOR(pg_catalog.<=) token) IS TRUE
+  THEN NULL ELSE fence.reject(resource, token) END" ;;
+		*) echo "check-cost: unknown variant $v" >&2; exit 2 ;;
 		esac
 		n=$(count "$protocol" "$v" "$fenced")
 		printf '%-9s %-9s %12d %10d %7.1f%%\n' "$protocol" "$v" "$n" $((n - base)) "$(echo "100 * ($n - $base) / $base" | bc -l)"
 	done
 done
-echo "reproduce: CHECK_TX=$ntx bash bench/check-cost.sh"
+echo "reproduce: CHECK_TX=$ntx CHECK_PROTOCOLS='${CHECK_PROTOCOLS:-simple prepared}'" \
+	"CHECK_VARIANTS='${CHECK_VARIANTS:-floor plpgsql v2 shipped}' bash bench/check-cost.sh"

@@ -2,9 +2,10 @@
 -- without an advisory lock. Measured with callgrind on the PostgreSQL backend of one pgbench
 -- session (tpcb-like without branch updates, simple protocol, through fenceproxy; instructions
 -- per transaction, repeatable within 0.3%; `bash bench/check-cost.sh`, docs/BENCHMARKS.md): no
--- check 391 k; version 2's check +115 k (23 k in the resource-name regex, 33 k in the SPI
+-- check 363 k; version 2's check +111 k (23 k in the resource-name regex, 33 k in the SPI
 -- SELECT of the token row, the rest in the PL/pgSQL call, the advisory lock and
--- current_setting); an empty PL/pgSQL function +40 k; this version +42 to +43 k.
+-- current_setting); an empty PL/pgSQL function +36.5 k; this version +39 k, of which 26.5 k is
+-- what any statement added at a commit costs.
 --
 -- Where the token lives now. Every row of fence.tokens has a mirror: the sequence
 -- fence_token."<resource>" (named exactly as the resource, in a schema of its own so that no name
