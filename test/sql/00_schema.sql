@@ -1,10 +1,6 @@
 -- The fence schema as the migrations install it: objects, types, constraints, function
 -- properties and privileges.
-\set QUIET 1
-\set ON_ERROR_STOP 1
-\pset format unaligned
-\pset tuples_only true
-\pset pager off
+\ir _psql.psql
 
 BEGIN;
 SELECT plan(58);

@@ -2,11 +2,7 @@
 -- 'fence_raise' only on a real change; fence.reset sets exactly and notifies with " reset".
 -- The sequence fence_token."<resource>" that fence.check reads mirrors every committed change
 -- (migration 3), and only committed ones.
-\set QUIET 1
-\set ON_ERROR_STOP 1
-\pset format unaligned
-\pset tuples_only true
-\pset pager off
+\ir _psql.psql
 
 BEGIN;
 SELECT plan(33);

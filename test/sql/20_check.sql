@@ -1,10 +1,6 @@
 -- fence.check and fence.check_readonly in one session: the messages, SQLSTATEs, DETAIL and
 -- HINT of a refusal, and the no-op for transactions that wrote nothing.
-\set QUIET 1
-\set ON_ERROR_STOP 1
-\pset format unaligned
-\pset tuples_only true
-\pset pager off
+\ir _psql.psql
 
 BEGIN;
 SELECT plan(22);

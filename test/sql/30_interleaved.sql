@@ -3,11 +3,7 @@
 -- transaction; the old one's commit-time check must then fail with ZF001 (also under
 -- REPEATABLE READ and SERIALIZABLE, whose snapshot predates the raise: the check does not read
 -- through the snapshot) and its rows vanish.
-\set QUIET 1
-\set ON_ERROR_STOP 1
-\pset format unaligned
-\pset tuples_only true
-\pset pager off
+\ir _psql.psql
 
 BEGIN;
 SELECT plan(44);

@@ -1,11 +1,7 @@
 -- What an application role (not a superuser, no grant of its own) may do with the fence
 -- schema: call raise, check and check_readonly and read the tokens; never write the tokens,
 -- lock them, call reset or create objects in the schema.
-\set QUIET 1
-\set ON_ERROR_STOP 1
-\pset format unaligned
-\pset tuples_only true
-\pset pager off
+\ir _psql.psql
 
 BEGIN;
 SELECT plan(17);
