@@ -188,9 +188,13 @@ start() {
 alive() { kill -0 "${service_pid[$1]}" 2>/dev/null || die "$1 exited; its log: $(tail -n 20 "$2" 2>/dev/null)"; }
 
 
-# cpu_ticks PID: user + system CPU time of PID, in clock ticks.
+# cpu_ticks PID [reaped]: user + system CPU time of PID, in clock ticks; with a second argument,
+# plus that of its children it has reaped (cutime, cstime).
 clk_tck=$(getconf CLK_TCK)
-cpu_ticks() { awk '{ sub(/^.*\) /, ""); print $12 + $13 }' "/proc/$1/stat" 2>/dev/null || echo 0; }
+cpu_ticks() {
+	awk -v reaped="${2:+1}" '{ sub(/^.*\) /, ""); print $12 + $13 + (reaped ? $14 + $15 : 0) }' "/proc/$1/stat" 2>/dev/null ||
+		echo 0
+}
 # status_kb PID FIELD: a kB field of /proc/PID/status (VmHWM, VmRSS).
 status_kb() { awk -v f="$2:" '$1 == f { print $2 }' "/proc/$1/status" 2>/dev/null || echo 0; }
 
@@ -322,11 +326,10 @@ prepare() {
 pg_cpu_ticks() {
 	local pm first total child
 	pm=$(head -n1 "$pg_dir/data/postmaster.pid")
-	reaped() { awk '{ sub(/^.*\) /, ""); print $12 + $13 + $14 + $15 }' "/proc/$pm/stat"; }
 	while :; do
-		first=$(reaped) total=0
+		first=$(cpu_ticks "$pm" reaped) total=0
 		for child in $(pgrep -P "$pm"); do total=$((total + $(cpu_ticks "$child"))); done
-		[[ $(reaped) == "$first" ]] && break
+		[[ $(cpu_ticks "$pm" reaped) == "$first" ]] && break
 	done
 	echo $((first + total))
 }

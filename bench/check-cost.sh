@@ -34,10 +34,10 @@
 # the difference is divided by CHECK_TX, so that what a session costs once (connection, the raise
 # of its token, the PREPARE of the check) is left out.
 # Settings: CHECK_TX (2000 transactions); CHECK_PROTOCOLS ("simple prepared"); CHECK_VARIANTS
-# ("floor plpgsql v2 shipped", from the lists above); CHECK_KEEP=1 keeps the temporary folder with each run's
-# callgrind file (<protocol>-<variant>-<transactions>.callgrind), for
-# `callgrind_annotate --inclusive=yes FILE` to show where the instructions go (compare the
-# two runs of a variant for per-transaction figures).
+# ("floor plpgsql v2 shipped", from the lists above); CHECK_KEEP=1 keeps the temporary folder
+# with each run's callgrind file (<protocol>-<variant>-<transactions>.callgrind), for
+# `callgrind_annotate --inclusive=yes FILE` to show where the instructions go (compare the two
+# runs of a variant for per-transaction figures).
 # Needs valgrind (apt-get install valgrind).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -83,7 +83,6 @@ shipped=$(psql_ -At -c "SELECT pg_get_functiondef('fence.check(text,bigint)'::re
 # Migration 2's fence.check: its first StatementBegin ... StatementEnd block.
 v2=$(awk '/-- \+goose StatementBegin/ { n++; next } /-- \+goose StatementEnd/ { if (n == 1) exit } n == 1' \
 	migrations/00002_hot_path_check.sql)
-floor='CREATE OR REPLACE FUNCTION fence.check(resource text, token bigint) RETURNS void LANGUAGE sql VOLATILE AS $fn$SELECT NULL::void$fn$'
 plpgsql='CREATE OR REPLACE FUNCTION fence.check(resource text, token bigint) RETURNS void LANGUAGE plpgsql VOLATILE SECURITY DEFINER
   AS $fn$BEGIN IF pg_catalog.pg_current_xact_id_if_assigned() IS NULL THEN RETURN; END IF; END$fn$'
 
@@ -101,9 +100,7 @@ instructions() { # protocol variant pgoptions transactions
 	[[ ${CHECK_KEEP:-0} == 1 && -n $bestf ]] && cp "$bestf" "$work/$1-$2-$4.callgrind"
 	echo "$best"
 }
-# instructions per transaction: the difference between a run of CHECK_TX/4 transactions and one
-# of CHECK_TX more, so that what a session costs once (startup, the raise of its token, the
-# PREPARE of the check) is not spread over its transactions.
+# instructions per transaction, marginal (see the top of this file)
 count() { # protocol variant pgoptions
 	local short=$((ntx / 4 > 0 ? ntx / 4 : 1)) a b
 	a=$(instructions "$@" "$short")
@@ -125,7 +122,7 @@ for protocol in ${CHECK_PROTOCOLS:-simple prepared}; do
 	printf '%-9s %-9s %12d\n' "$protocol" unfenced "$base"
 	for v in ${CHECK_VARIANTS:-floor plpgsql v2 shipped}; do
 		case $v in
-		floor) psql_ -c "$floor" >/dev/null ;;
+		floor) body 'SELECT NULL::void' ;;
 		plpgsql) psql_ -c "$plpgsql" >/dev/null ;;
 		v2) psql_ -c "$v2" >/dev/null ;;
 		shipped) psql_ -c "$shipped" >/dev/null ;;
