@@ -158,31 +158,19 @@ var writePaths = []writePath{
 		p.SendPipelineSync()
 		p.SendQueryParams("INSERT INTO items(tag) VALUES ($1)", [][]byte{[]byte(tag)}, nil, nil, nil)
 		p.SendPipelineSync()
-		if err := p.Flush(); err != nil {
-			return err
-		}
-		var first error
-		for {
-			r, err := p.GetResults()
-			if err != nil {
-				if first == nil {
-					first = err
-				}
-				continue
-			}
-			switch r := r.(type) {
-			case *pgconn.ResultReader:
-				if _, err := r.Close(); err != nil && first == nil {
-					first = err
-				}
-			case *pgconn.PipelineSync:
-			case nil:
-				if err := p.Close(); err != nil && first == nil {
-					first = err
-				}
-				return first
-			}
-		}
+		return pipelineResults(p)
+	}},
+	{name: "extended write after COMMIT in one unit", write: func(ctx context.Context, c *pgx.Conn, tag string, raise func()) error {
+		// The empty block's COMMIT passes its check (nothing written); the
+		// write after it runs in the implicit transaction that the Sync
+		// commits, which needs a check of its own.
+		raise()
+		p := c.PgConn().StartPipeline(ctx)
+		p.SendQueryParams("BEGIN", nil, nil, nil, nil)
+		p.SendQueryParams("COMMIT", nil, nil, nil, nil)
+		p.SendQueryParams("INSERT INTO items(tag) VALUES ($1)", [][]byte{[]byte(tag)}, nil, nil, nil)
+		p.SendPipelineSync()
+		return pipelineResults(p)
 	}},
 	{name: "batch", write: func(ctx context.Context, c *pgx.Conn, tag string, raise func()) error {
 		raise()
@@ -233,6 +221,36 @@ func resourceNames(n int) []string {
 		out = append(out, fmt.Sprintf("r%02d", i))
 	}
 	return out
+}
+
+// pipelineResults flushes p, reads all its results and closes it, returning
+// the first error.
+func pipelineResults(p *pgconn.Pipeline) error {
+	if err := p.Flush(); err != nil {
+		return err
+	}
+	var first error
+	for {
+		r, err := p.GetResults()
+		if err != nil {
+			if first == nil {
+				first = err
+			}
+			continue
+		}
+		switch r := r.(type) {
+		case *pgconn.ResultReader:
+			if _, err := r.Close(); err != nil && first == nil {
+				first = err
+			}
+		case *pgconn.PipelineSync:
+		case nil:
+			if err := p.Close(); err != nil && first == nil {
+				first = err
+			}
+			return first
+		}
+	}
 }
 
 // TestStaleWritesNeverCommit runs every write path under an old token

@@ -33,9 +33,12 @@ import (
 //     commit, or is refused (extended protocol, function calls); (e) is refused.
 //  2. A check is omitted only where the proxy knows exactly that the session
 //     is inside an explicit block (then the commit comes later, at a commit
-//     point that gets its own check). "Exactly" means from the server's
-//     last ReadyForQuery with nothing outstanding, plus the statements of
-//     the current unit, whose failure skips everything up to the unit's end.
+//     point that gets its own check), or that the transaction a Sync would
+//     commit holds no statement (the unit's last statements ended their
+//     block: a COMMIT, which had its check, or a ROLLBACK). "Exactly" means
+//     from the server's last ReadyForQuery with nothing outstanding, plus
+//     the statements of the current unit, whose failure skips everything up
+//     to the unit's end.
 //     When a prediction would omit a check and earlier units are still
 //     outstanding, the proxy waits for them instead of guessing.
 //  3. Refusals are made by the server, in order: the proxy replaces the
@@ -1031,14 +1034,34 @@ func (sess *session) onSync(c *cstate) error {
 			}
 			st = c.current()
 		}
-		if st == 'I' {
-			// The implicit transaction commits at this Sync.
+		// The implicit transaction commits at this Sync. When the unit's
+		// start is known exactly, a unit whose last statements ended their
+		// block (COMMIT, which had its check, or ROLLBACK) leaves nothing in
+		// it; a predicted start gets the check anyway rather than wait.
+		if st == 'I' && (!c.exact || c.implicitWork()) {
 			if err := sess.injectCheck(c); err != nil {
 				return err
 			}
 		}
 	}
 	return sess.endUnit(c, eSync, 'S', body)
+}
+
+// implicitWork reports whether a statement of the unit runs in the implicit
+// transaction that its Sync commits: one executed outside any block after
+// the unit's start or after the last statement that ended a transaction
+// (COMMIT, ROLLBACK, PREPARE TRANSACTION). A statement that opens a block
+// (BEGIN, the chained COMMIT and ROLLBACK) takes the implicit transaction's
+// earlier statements into the block, whose own commit point has the check.
+// A statement that fails skips the rest of the unit and aborts the implicit
+// transaction: nothing commits then, check or not.
+func (c *cstate) implicitWork() bool {
+	st, work := c.start, false
+	for _, k := range c.kinds {
+		st = apply(st, k)
+		work = st == 'I' && !k.EndsBlock()
+	}
+	return work
 }
 
 // endUnit forwards the message that ends the unit and, after a check before

@@ -1,0 +1,65 @@
+package proxy_test
+
+import (
+	"context"
+	"testing"
+
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+)
+
+// TestChecksPerUnit counts the checks the proxy injects for extended-protocol
+// units: one per commit, none for a Sync whose implicit transaction holds no
+// statement (after a COMMIT, which had its own check, or a ROLLBACK). The
+// stale-token side of the same shapes is in TestStaleWritesNeverCommit
+// ("extended write after COMMIT in one unit").
+func TestChecksPerUnit(t *testing.T) {
+	pg, admin := fencedDB(t)
+	p := fencedProxy(t, pg)
+	ctx := ctxT(t)
+	conn := connect(t, p.FenceURL("app", "postgres", "billing", 1)).PgConn()
+	ins := "INSERT INTO items(tag) VALUES ('per-unit')"
+	one := func(sql string) func(*pgconn.Pipeline) {
+		return func(pl *pgconn.Pipeline) { pl.SendQueryParams(sql, nil, nil, nil, nil) }
+	}
+	sync := func(pl *pgconn.Pipeline) { pl.SendPipelineSync() }
+	cases := []struct {
+		name  string
+		send  []func(*pgconn.Pipeline)
+		check float64
+	}{
+		{"autocommit write", []func(*pgconn.Pipeline){one(ins), sync}, 1},
+		{"BEGIN, write, COMMIT: a Sync each", []func(*pgconn.Pipeline){one("BEGIN"), sync, one(ins), sync, one("COMMIT"), sync}, 1},
+		{"BEGIN, write, COMMIT: one Sync", []func(*pgconn.Pipeline){one("BEGIN"), one(ins), one("COMMIT"), sync}, 1},
+		{"block, then a write in the same unit", []func(*pgconn.Pipeline){one("BEGIN"), one(ins), one("COMMIT"), one(ins), sync}, 2},
+		{"write taken into a block", []func(*pgconn.Pipeline){one(ins), one("BEGIN"), one(ins), one("COMMIT"), sync}, 1},
+		{"ROLLBACK", []func(*pgconn.Pipeline){one("BEGIN"), one(ins), one("ROLLBACK"), sync}, 0},
+		{"write after ROLLBACK", []func(*pgconn.Pipeline){one("BEGIN"), one("ROLLBACK"), one(ins), sync}, 1},
+	}
+	for _, tc := range cases {
+		before := testutil.ToFloat64(p.Metrics.Checks)
+		runPipeline(ctx, t, conn, tc.send)
+		if got := testutil.ToFloat64(p.Metrics.Checks) - before; got != tc.check {
+			t.Errorf("%s: %v checks, want %v", tc.name, got, tc.check)
+		}
+		if st := conn.TxStatus(); st != 'I' {
+			t.Fatalf("%s: session left in state %q", tc.name, st)
+		}
+	}
+	if n := count(t, admin, "SELECT count(*) FROM items WHERE tag = 'per-unit'"); n != 8 {
+		t.Errorf("%d rows written, want 8", n)
+	}
+}
+
+// runPipeline sends the messages and reads every result, failing the test on
+// any error.
+func runPipeline(ctx context.Context, t *testing.T, conn *pgconn.PgConn, send []func(*pgconn.Pipeline)) {
+	t.Helper()
+	pl := conn.StartPipeline(ctx)
+	for _, s := range send {
+		s(pl)
+	}
+	if err := pipelineResults(pl); err != nil {
+		t.Fatal(err)
+	}
+}
