@@ -2,10 +2,13 @@ package proxy_test
 
 import (
 	"context"
+	"errors"
 	"testing"
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/fenceproxy/fenceproxy/internal/proxy"
 )
 
 // TestChecksPerUnit counts the checks the proxy injects for extended-protocol
@@ -61,5 +64,30 @@ func runPipeline(ctx context.Context, t *testing.T, conn *pgconn.PgConn, send []
 	}
 	if err := pipelineResults(pl); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestDebugParseUnfenced: with --debug-parse-unfenced an unfenced session's
+// simple Queries are parsed and relayed unchanged: no check is injected, and
+// text the parser refuses still reaches the server, which answers it.
+func TestDebugParseUnfenced(t *testing.T) {
+	pg, admin := fencedDB(t)
+	p := fencedProxy(t, pg, func(c *proxy.Config) { c.Unfenced, c.DebugParseUnfenced = "allow", true })
+	ctx := ctxT(t)
+	conn := connect(t, p.URL("app", "postgres"))
+	for _, q := range []string{"SELECT 1; SELECT 2", "BEGIN", "INSERT INTO items(tag) VALUES ('parse-only')", "COMMIT"} {
+		if err := simple(ctx, conn, q); err != nil {
+			t.Fatalf("%s: %v", q, err)
+		}
+	}
+	var pgErr *pgconn.PgError
+	if err := simple(ctx, conn, "SELEC 1"); !errors.As(err, &pgErr) || pgErr.Code != "42601" {
+		t.Fatalf("syntax error: got %v, want the server's 42601", err)
+	}
+	if n := testutil.ToFloat64(p.Metrics.Checks); n != 0 {
+		t.Errorf("%v checks injected, want 0", n)
+	}
+	if n := count(t, admin, "SELECT count(*) FROM items WHERE tag = 'parse-only'"); n != 1 {
+		t.Errorf("%d rows, want 1", n)
 	}
 }

@@ -69,6 +69,10 @@ type Config struct {
 	MetricsListen string `help:"Address for Prometheus /metrics (empty: off)."`
 	// DebugPprof also serves Go's profiler on MetricsListen (/debug/pprof/).
 	DebugPprof bool `help:"Also serve Go's profiler at /debug/pprof/ on --metrics-listen (for performance work)."`
+	// DebugParseUnfenced makes unfenced sessions parse every simple Query the
+	// way a fenced session does, and throw the result away: what the exact
+	// parse alone costs, with no check (bench.sh's target parsed).
+	DebugParseUnfenced bool `help:"Parse every simple Query of unfenced sessions as a fenced session would, and discard the result (for benchmarks: what the parse alone costs)."`
 
 	// Consul configures token validation (see internal/lease).
 	ConsulAddr     string `help:"Consul HTTP address; empty: tokens are not validated against Consul." name:"consul-addr"`

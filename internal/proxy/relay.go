@@ -84,6 +84,10 @@ type entry struct {
 	refusal *fence.Error // our refusal: its error is replaced by this one
 	unit    *unit        // on end entries
 	copyRes chan bool    // COPY FROM STDIN (extended): true once copy-in started, false if refused
+	// syncOnError: our check sent ahead of a simple Query. After an error in
+	// an extended-protocol message the server skips everything up to a
+	// Sync, the client's Query included: the proxy then sends the Sync.
+	syncOnError bool
 }
 
 // unit is what ends with one ReadyForQuery.
@@ -374,6 +378,20 @@ func (sess *session) serverError(body []byte) error {
 		e.copyRes <- false // the COPY failed before copy-in mode
 		e.copyRes = nil
 	}
+	if e.syncOnError {
+		// The server now skips the client's Query; this Sync's
+		// ReadyForQuery ends the unit instead (the block is failed, and
+		// serverReady rolls it back).
+		sess.swMu.Lock()
+		err := wire.WriteMessage(sess.sw, 'S', nil)
+		if err == nil {
+			err = sess.sw.Flush()
+		}
+		sess.swMu.Unlock()
+		if err != nil {
+			return err
+		}
+	}
 	resp, derr := wire.DecodeError(body)
 	switch {
 	case e.refusal != nil:
@@ -534,7 +552,14 @@ func (sess *session) clientToServerPlain() error {
 			// waits for the answer instead of closing a busy session.
 			sess.mu.Lock()
 			sess.outstanding++
+			status := sess.status
 			sess.mu.Unlock()
+			if typ == 'Q' && sess.srv.cfg.DebugParseUnfenced {
+				if err := sess.parseOnly(status); err != nil {
+					return err
+				}
+				continue
+			}
 		}
 		sess.swMu.Lock()
 		err = sess.cr.CopyBody(sess.sw)
@@ -551,6 +576,22 @@ func (sess *session) clientToServerPlain() error {
 
 // clientReadError tells the client why its connection is being closed when
 // the problem is its own message (too large, malformed).
+// debugCheck stands in for the check in parseOnly's plans.
+const debugCheck = "SELECT fence.check('debug', 1)"
+
+// parseOnly forwards a Query after planning it as a fenced session would
+// (--debug-parse-unfenced): the plan is thrown away.
+func (sess *session) parseOnly(status byte) error {
+	body, err := sess.cr.Body()
+	if err != nil {
+		return err
+	}
+	if sql, _, err := wire.CString(body); err == nil {
+		sess.srv.sqlCache.PlanQuery(sql, status != 'I', status == 'E', debugCheck) //nolint:errcheck // a diagnostic: the server judges the text
+	}
+	return sess.writeServer('Q', body)
+}
+
 func (sess *session) clientReadError(err error) error {
 	if errors.Is(err, wire.ErrMessageTooLarge) {
 		sess.fatalToClient(wire.CodeProgramLimitExceeded, err.Error())
@@ -1115,27 +1156,12 @@ func (sess *session) afterEnd(c *cstate, u *unit) error {
 }
 
 // injectCheck sends the proxy's check before the message being handled.
+// Ahead of a simple Query (beforeQuery), only the prepared check may be
+// used (see preparedCheck).
 func (sess *session) injectCheck(c *cstate) error {
 	sess.srv.metrics.checks(1)
 	if sess.ownPrepared.Load() {
-		if c.exact {
-			// Every place a check goes ends the transaction right after it
-			// (a commit point, or a Sync in an implicit transaction), and a
-			// transaction's end drops the portal: when the state is known
-			// exactly, the portal cannot be left from an earlier check and
-			// needs no Close first.
-			c.push(sess,
-				&entry{kind: eBind, ours: true},
-				&entry{kind: eExecute, ours: true, check: true},
-			)
-			return sess.writeServerRaw(c.ownPreparedCheck[closePortalLen:])
-		}
-		c.push(sess,
-			&entry{kind: eClose, ours: true},
-			&entry{kind: eBind, ours: true},
-			&entry{kind: eExecute, ours: true, check: true},
-		)
-		return sess.writeServerRaw(c.ownPreparedCheck)
+		return sess.preparedCheck(c, false)
 	}
 	c.push(sess,
 		&entry{kind: eClose, ours: true},
@@ -1145,6 +1171,26 @@ func (sess *session) injectCheck(c *cstate) error {
 		&entry{kind: eExecute, ours: true, check: true},
 	)
 	return sess.writeServerRaw(c.ownCheck)
+}
+
+// preparedCheck sends Bind and Execute of the check prepared at session
+// start (and a Close of the portal first unless the state is known exactly).
+// The Bind's error is the check's too: it fails when the prepared check is
+// gone (26000), and the proxy then sends the check's text from now on.
+func (sess *session) preparedCheck(c *cstate, beforeQuery bool) error {
+	bind := &entry{kind: eBind, ours: true, check: true, syncOnError: beforeQuery}
+	exec := &entry{kind: eExecute, ours: true, check: true, syncOnError: beforeQuery}
+	if c.exact {
+		// Every place a check goes ends the transaction right after it
+		// (a commit point, or a Sync in an implicit transaction), and a
+		// transaction's end drops the portal: when the state is known
+		// exactly, the portal cannot be left from an earlier check and
+		// needs no Close first.
+		c.push(sess, bind, exec)
+		return sess.writeServerRaw(c.ownPreparedCheck[closePortalLen:])
+	}
+	c.push(sess, &entry{kind: eClose, ours: true, syncOnError: beforeQuery}, bind, exec)
+	return sess.writeServerRaw(c.ownPreparedCheck)
 }
 
 // refuse replaces the current client message with a statement that makes
@@ -1235,10 +1281,13 @@ func (sess *session) onQuery(c *cstate) error {
 	// below (lexUnsafe): a plan made under other settings is never sent.
 	st := c.current()
 	plan, perr := sess.srv.sqlCache.PlanQuery(sql, st != 'I', c.failed(), sess.checkText())
-	if perr == nil && slices.ContainsFunc(plan.Kinds, dropsPrepared) && sess.ownPrepared.Load() {
-		// The string may deallocate the prepared check before it runs.
+	if slices.ContainsFunc(plan.Kinds, dropsPrepared) && sess.ownPrepared.Load() {
+		// The string may deallocate the prepared check before it runs (a
+		// lone DISCARD ALL comes with ErrNeedsOwnTransaction, and its kind).
 		sess.ownPrepared.Store(false)
-		plan, perr = sess.srv.sqlCache.PlanQuery(sql, st != 'I', c.failed(), sess.checkText())
+		if perr == nil {
+			plan, perr = sess.srv.sqlCache.PlanQuery(sql, st != 'I', c.failed(), sess.checkText())
+		}
 	}
 	if perr == nil && !c.exact && (st != 'I' || plan.Checks > finalChecks(plan)) {
 		if err := c.ensureExact(sess); err != nil {
@@ -1266,6 +1315,24 @@ func (sess *session) onQuery(c *cstate) error {
 	}
 	if plan.Checks > finalChecks(plan) {
 		c.unit.rollbackOnFail = true
+	}
+	if plan.Checks == 1 && plan.Ours[0] && sess.ownPrepared.Load() {
+		// The one check goes before the string's first statement, a commit
+		// point in an explicit block (END, COMMIT, COMMIT AND CHAIN, PREPARE
+		// TRANSACTION): it is sent ahead of the client's Query as Bind and
+		// Execute of the prepared check, which costs the server about 11 k
+		// instructions less than an EXECUTE statement inside the string
+		// (bench/check-cost.sh), and the Query goes as the client sent it.
+		sess.srv.metrics.checks(1)
+		if err := sess.preparedCheck(c, true); err != nil {
+			return err
+		}
+		es := make([]entry, max(len(plan.Kinds), 1))
+		for i := range es {
+			es[i].kind = eStmt
+		}
+		c.kinds = append(c.kinds, plan.Kinds...)
+		return sess.endQuery(c, sql, es)
 	}
 	// One entry per statement (an empty query gets one EmptyQueryResponse),
 	// allocated together.
