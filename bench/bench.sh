@@ -15,6 +15,10 @@
 #   direct-check  (diagnostic, not in the default list) PostgreSQL itself, with the same
 #               check added to pgbench's script (bench/*-check.sql): what the check costs the
 #               database alone, without the proxy's hop; needs BENCH_PROTOCOL=simple
+#   parsed      (diagnostic, not in the default list) a second proxy started with
+#               --debug-parse-unfenced, session without a token: it parses every simple Query
+#               as a fenced session does and injects nothing, so parsed/fenceproxy is what the
+#               parse alone costs and fenced/parsed what the check adds to it
 #
 # for the workloads of BENCH_WORKLOADS (default: select-only, pgbench -S, and read-write,
 # tpcb-like without branch and teller updates, pgbench -N; also available: tpcb-like, pgbench's
@@ -87,7 +91,7 @@ done
 [[ $fsync == on || $fsync == off ]] || die "BENCH_FSYNC must be on or off"
 case $protocol in simple | extended | prepared) ;; *) die "BENCH_PROTOCOL must be simple, extended or prepared" ;; esac
 for t in "${targets[@]}"; do
-	case $t in direct | fenceproxy | pgbouncer | fenced) ;;
+	case $t in direct | fenceproxy | pgbouncer | fenced | parsed) ;;
 	direct-check) [[ $protocol == simple ]] || die "target direct-check needs BENCH_PROTOCOL=simple" ;;
 	*) die "unknown target '$t' in BENCH_TARGETS" ;;
 	esac
@@ -103,6 +107,8 @@ for p in initdb postgres pg_isready psql pgbench; do
 done
 use_bouncer=0
 [[ " ${targets[*]} " == *" pgbouncer "* ]] && use_bouncer=1
+use_parsed=0
+[[ " ${targets[*]} " == *" parsed "* ]] && use_parsed=1
 ((use_bouncer == 0)) || command -v pgbouncer >/dev/null || die "pgbouncer not found: run make deps"
 
 # --- the proxy binary --------------------------------------------------------------------------
@@ -200,7 +206,7 @@ status_kb() { awk -v f="$2:" '$1 == f { print $2 }' "/proc/$1/status" 2>/dev/nul
 
 # --- PostgreSQL --------------------------------------------------------------------------------
 
-for p in pg_port proxy_port bouncer_port; do free_port "$p"; done
+for p in pg_port proxy_port bouncer_port parsed_port; do free_port "$p"; done
 pg_dir=$work/postgres
 mine "$pg_dir"
 if [[ $fsync == off ]]; then
@@ -237,6 +243,13 @@ proxy_cmd=("$bin" serve --listen "127.0.0.1:$proxy_port" --upstream "postgres://
 start fenceproxy "$work/fenceproxy.log" "${proxy_cmd[@]}"
 proxy_ready() { alive fenceproxy "$work/fenceproxy.log" && listening "$proxy_port"; }
 wait_for fenceproxy 30 proxy_ready
+if ((use_parsed)); then
+	start parsed "$work/parsed.log" "$bin" serve --listen "127.0.0.1:$parsed_port" \
+		--upstream "postgres://127.0.0.1:$pg_port" --unfenced allow --resource "$resource" \
+		--log-level warn --debug-parse-unfenced "${proxy_extra[@]}"
+	parsed_ready() { alive parsed "$work/parsed.log" && listening "$parsed_port"; }
+	wait_for "fenceproxy --debug-parse-unfenced" 30 parsed_ready
+fi
 
 bouncer_dir=$work/pgbouncer
 pool=$((clients > 20 ? clients : 20))
@@ -269,6 +282,7 @@ fi
 # The CPU and memory figures are read from /proc/PID: PID must be the program itself.
 declare -A program=([fenceproxy]=$(readlink -f "$bin"))
 ((use_bouncer)) && program[pgbouncer]=$(readlink -f "$(command -v pgbouncer)")
+((use_parsed)) && program[parsed]=$(readlink -f "$bin")
 for name in "${!program[@]}"; do
 	exe=$(readlink -f "/proc/${service_pid[$name]}/exe" 2>/dev/null || true)
 	[[ $exe == "${program[$name]}" ]] ||
@@ -282,6 +296,7 @@ target_port() {
 	direct | direct-check) echo "$pg_port" ;;
 	fenceproxy | fenced) echo "$proxy_port" ;;
 	pgbouncer) echo "$bouncer_port" ;;
+	parsed) echo "$parsed_port" ;;
 	esac
 }
 target_options() { [[ $1 == fenced ]] && echo "-c fence.resource=$resource -c fence.token=$token" || true; }
@@ -289,6 +304,7 @@ target_pid() {
 	case $1 in
 	fenceproxy | fenced) echo "${service_pid[fenceproxy]}" ;;
 	pgbouncer) echo "${service_pid[pgbouncer]}" ;;
+	parsed) echo "${service_pid[parsed]}" ;;
 	*) echo "" ;;
 	esac
 }
@@ -498,9 +514,11 @@ END {
 	printf "%-34s", "ratio of median TPS"
 	for (w = 1; w <= nw; w++) printf " %12s", W[w]
 	print ""
-	nr = split("fenceproxy/direct pgbouncer/direct fenceproxy/pgbouncer fenced/fenceproxy direct-check/direct", R, " ")
+	nr = split("fenceproxy/direct pgbouncer/direct fenceproxy/pgbouncer fenced/fenceproxy direct-check/direct parsed/fenceproxy fenced/parsed", R, " ")
 	label["fenced/fenceproxy"] = "fenced/unfenced (both via proxy)"
 	label["direct-check/direct"] = "direct-check/direct (check in DB)"
+	label["parsed/fenceproxy"] = "parsed/unfenced (the parse alone)"
+	label["fenced/parsed"] = "fenced/parsed (the check on top)"
 	for (r = 1; r <= nr; r++) {
 		split(R[r], ab, "/")
 		# only the ratios whose two targets ran

@@ -29,6 +29,13 @@
 #   regconst   the shipped body with the sequence named by a regclass constant instead of
 #              to_regclass() of 'fence_token.' || quote_ident(resource) (the resource is bench)
 #
+# and, on request, one run without the proxy:
+#
+#   bare       (simple protocol) pgbench's -N script straight against PostgreSQL, its END's Query
+#              message carrying an empty SELECT as well (`SELECT \; END;`): what PostgreSQL charges
+#              for the cheapest statement there is, against the same script without it (printed
+#              as the row `direct`, the baseline of this variant)
+#
 # and prints instructions per transaction, and the difference from unfenced. Per transaction
 # means marginal: each variant runs twice, CHECK_TX/4 and CHECK_TX/4 + CHECK_TX transactions, and
 # the difference is divided by CHECK_TX, so that what a session costs once (connection, the raise
@@ -87,9 +94,12 @@ plpgsql='CREATE OR REPLACE FUNCTION fence.check(resource text, token bigint) RET
   AS $fn$BEGIN IF pg_catalog.pg_current_xact_id_if_assigned() IS NULL THEN RETURN; END IF; END$fn$'
 
 # instructions of the busiest backend of one pgbench run of $4 transactions through the proxy
-instructions() { # protocol variant pgoptions transactions
+instructions() { # protocol variant pgoptions transactions [port script]
 	"${as_pg[@]}" find "$work/cg" -type f -delete
-	PGPORT=$proxy_port PGOPTIONS="$3" "$bin/pgbench" -n -N -c 1 -t "$4" -M "$1" postgres >"$work/pgbench.out" 2>&1 ||
+	local script=(-N)
+	[[ -n ${6:-} ]] && script=(-f "$6")
+	PGPORT=${5:-$proxy_port} PGOPTIONS="$3" "$bin/pgbench" -n "${script[@]}" -c 1 -t "$4" -M "$1" postgres \
+		>"$work/pgbench.out" 2>&1 ||
 		{ cat "$work/pgbench.out" >&2; exit 1; }
 	sleep 1 # the backend writes its file when it exits
 	local best=0 bestf= n f
@@ -101,10 +111,10 @@ instructions() { # protocol variant pgoptions transactions
 	echo "$best"
 }
 # instructions per transaction, marginal (see the top of this file)
-count() { # protocol variant pgoptions
+count() { # protocol variant pgoptions [port script]
 	local short=$((ntx / 4 > 0 ? ntx / 4 : 1)) a b
-	a=$(instructions "$@" "$short")
-	b=$(instructions "$@" $((short + ntx)))
+	a=$(instructions "$1" "$2" "$3" "$short" "${@:4}")
+	b=$(instructions "$1" "$2" "$3" $((short + ntx)) "${@:4}")
 	echo $(((b - a) / ntx))
 }
 # body SQL: fence.check as an inlinable SQL function with that body
@@ -121,6 +131,18 @@ for protocol in ${CHECK_PROTOCOLS:-simple prepared}; do
 	base=$(count "$protocol" unfenced "")
 	printf '%-9s %-9s %12d\n' "$protocol" unfenced "$base"
 	for v in ${CHECK_VARIANTS:-floor plpgsql v2 shipped}; do
+		if [[ $v == bare ]]; then
+			[[ $protocol == simple ]] || continue
+			# pgbench's -N script as `pgbench --show-script simple-update` prints it.
+			"$bin/pgbench" --show-script simple-update 2>&1 | grep -v '^-- ' >"$work/direct.sql"
+			sed 's/^END;$/SELECT \\; END;/' "$work/direct.sql" >"$work/bare.sql"
+			grep -q '^SELECT \\; END;$' "$work/bare.sql" || { echo "check-cost: cannot build the bare script" >&2; exit 1; }
+			direct=$(count "$protocol" direct "" "$port" "$work/direct.sql")
+			printf '%-9s %-9s %12d\n' "$protocol" direct "$direct"
+			n=$(count "$protocol" bare "" "$port" "$work/bare.sql")
+			printf '%-9s %-9s %12d %10d %7.1f%%\n' "$protocol" bare "$n" $((n - direct)) "$(echo "100 * ($n - $direct) / $direct" | bc -l)"
+			continue
+		fi
 		case $v in
 		floor) body 'SELECT NULL::void' ;;
 		plpgsql) psql_ -c "$plpgsql" >/dev/null ;;
