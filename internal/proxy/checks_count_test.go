@@ -3,9 +3,11 @@ package proxy_test
 import (
 	"context"
 	"errors"
+	"strings"
 	"testing"
 
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgproto3"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/fenceproxy/fenceproxy/internal/proxy"
@@ -89,5 +91,57 @@ func TestDebugParseUnfenced(t *testing.T) {
 	}
 	if n := count(t, admin, "SELECT count(*) FROM items WHERE tag = 'parse-only'"); n != 1 {
 		t.Errorf("%d rows, want 1", n)
+	}
+}
+
+// TestPipelinedSimpleCommits: transactions sent as simple Queries without
+// waiting for each answer, so that the proxy does not know the state exactly
+// when a COMMIT arrives (its check then closes the portal first). With the
+// current token both commit; with a stale one the COMMITs fail with ZF001
+// from the check in the database, the session ends idle, and nothing of
+// either transaction is left.
+func TestPipelinedSimpleCommits(t *testing.T) {
+	pg, admin := fencedDB(t)
+	p := fencedProxy(t, pg)
+	r := dialRaw(t, proxyAddr(p))
+	if out := r.startup(pgproto3.ProtocolVersionNumber, "user", "app", "database", "postgres",
+		"fence.resource", "other", "fence.token", "5"); !strings.HasPrefix(out[len(out)-1], "ReadyForQuery") {
+		t.Fatalf("startup: %q", out)
+	}
+	txs := func(tag string) []pgproto3.FrontendMessage {
+		var msgs []pgproto3.FrontendMessage
+		for range 2 {
+			msgs = append(msgs, &pgproto3.Query{String: "BEGIN"},
+				&pgproto3.Query{String: "INSERT INTO items(tag) VALUES ('" + tag + "')"},
+				&pgproto3.Query{String: "COMMIT"})
+		}
+		return msgs
+	}
+	r.send(txs("pipelined")...)
+	out, err := r.readUntil(6, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if joined := strings.Join(out, "\n"); strings.Contains(joined, "ErrorResponse") || !strings.HasSuffix(joined, `"TxStatus":"I"}`) {
+		t.Fatalf("current token:\n%s", joined)
+	}
+	if n := count(t, admin, "SELECT count(*) FROM items WHERE tag = 'pipelined'"); n != 2 {
+		t.Fatalf("%d rows committed, want 2", n)
+	}
+	// The new token comes through another proxy instance, which this one
+	// does not hear of: only the check in the database stops the writes.
+	q := fencedProxy(t, pg)
+	connect(t, q.FenceURL("app", "postgres", "other", 6))
+	r.send(txs("pipelined-stale")...)
+	out, err = r.readUntil(6, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	joined := strings.Join(out, "\n")
+	if !strings.Contains(joined, `"Code":"ZF001"`) || !strings.HasSuffix(joined, `"TxStatus":"I"}`) {
+		t.Fatalf("stale token:\n%s", joined)
+	}
+	if n := count(t, admin, "SELECT count(*) FROM items WHERE tag = 'pipelined-stale'"); n != 0 {
+		t.Fatalf("%d rows of the stale token committed", n)
 	}
 }
