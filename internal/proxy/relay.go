@@ -574,8 +574,6 @@ func (sess *session) clientToServerPlain() error {
 	}
 }
 
-// clientReadError tells the client why its connection is being closed when
-// the problem is its own message (too large, malformed).
 // debugCheck stands in for the check in parseOnly's plans.
 const debugCheck = "SELECT fence.check('debug', 1)"
 
@@ -592,6 +590,8 @@ func (sess *session) parseOnly(status byte) error {
 	return sess.writeServer('Q', body)
 }
 
+// clientReadError tells the client why its connection is being closed when
+// the problem is its own message (too large, malformed).
 func (sess *session) clientReadError(err error) error {
 	if errors.Is(err, wire.ErrMessageTooLarge) {
 		sess.fatalToClient(wire.CodeProgramLimitExceeded, err.Error())
@@ -1155,9 +1155,8 @@ func (sess *session) afterEnd(c *cstate, u *unit) error {
 	return nil
 }
 
-// injectCheck sends the proxy's check before the message being handled.
-// Ahead of a simple Query (beforeQuery), only the prepared check may be
-// used (see preparedCheck).
+// injectCheck sends the proxy's check before the message being handled: the
+// check prepared at session start while the session has it, else its text.
 func (sess *session) injectCheck(c *cstate) error {
 	sess.srv.metrics.checks(1)
 	if sess.ownPrepared.Load() {
@@ -1174,7 +1173,8 @@ func (sess *session) injectCheck(c *cstate) error {
 }
 
 // preparedCheck sends Bind and Execute of the check prepared at session
-// start (and a Close of the portal first unless the state is known exactly).
+// start (and a Close of the portal first unless the state is known exactly),
+// ahead of a simple Query when beforeQuery is set (see entry.syncOnError).
 // The Bind's error is the check's too: it fails when the prepared check is
 // gone (26000), and the proxy then sends the check's text from now on.
 func (sess *session) preparedCheck(c *cstate, beforeQuery bool) error {
