@@ -8,7 +8,8 @@ import (
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
-	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 
 	"github.com/fenceproxy/fenceproxy/internal/proxy"
 )
@@ -42,9 +43,9 @@ func TestChecksPerUnit(t *testing.T) {
 		{"write after ROLLBACK", []func(*pgconn.Pipeline){one("BEGIN"), one("ROLLBACK"), one(ins), sync}, 1},
 	}
 	for _, tc := range cases {
-		before := testutil.ToFloat64(p.Metrics.Checks)
+		before := counterValue(t, p.Metrics.Checks)
 		runPipeline(ctx, t, conn, tc.send)
-		if got := testutil.ToFloat64(p.Metrics.Checks) - before; got != tc.check {
+		if got := counterValue(t, p.Metrics.Checks) - before; got != tc.check {
 			t.Errorf("%s: %v checks, want %v", tc.name, got, tc.check)
 		}
 		if st := conn.TxStatus(); st != 'I' {
@@ -86,7 +87,7 @@ func TestDebugParseUnfenced(t *testing.T) {
 	if err := simple(ctx, conn, "SELEC 1"); !errors.As(err, &pgErr) || pgErr.Code != "42601" {
 		t.Fatalf("syntax error: got %v, want the server's 42601", err)
 	}
-	if n := testutil.ToFloat64(p.Metrics.Checks); n != 0 {
+	if n := counterValue(t, p.Metrics.Checks); n != 0 {
 		t.Errorf("%v checks injected, want 0", n)
 	}
 	if n := count(t, admin, "SELECT count(*) FROM items WHERE tag = 'parse-only'"); n != 1 {
@@ -144,4 +145,14 @@ func TestPipelinedSimpleCommits(t *testing.T) {
 	if n := count(t, admin, "SELECT count(*) FROM items WHERE tag = 'pipelined-stale'"); n != 0 {
 		t.Fatalf("%d rows of the stale token committed", n)
 	}
+}
+
+// counterValue reads a Prometheus counter.
+func counterValue(t *testing.T, c prometheus.Counter) float64 {
+	t.Helper()
+	var m dto.Metric
+	if err := c.Write(&m); err != nil {
+		t.Fatal(err)
+	}
+	return m.GetCounter().GetValue()
 }
