@@ -382,13 +382,7 @@ func (sess *session) serverError(body []byte) error {
 		// The server now skips the client's Query; this Sync's
 		// ReadyForQuery ends the unit instead (the block is failed, and
 		// serverReady rolls it back).
-		sess.swMu.Lock()
-		err := wire.WriteMessage(sess.sw, 'S', nil)
-		if err == nil {
-			err = sess.sw.Flush()
-		}
-		sess.swMu.Unlock()
-		if err != nil {
+		if err := sess.sendServer('S', nil); err != nil {
 			return err
 		}
 	}
@@ -458,13 +452,7 @@ func (sess *session) serverReady(body []byte) error {
 		// so nothing of its own can reach the server before this ROLLBACK,
 		// whose ReadyForQuery then completes the client's unit.
 		sess.push(&entry{kind: eStmt, ours: true}, &entry{kind: eQueryEnd, ours: true, unit: &unit{}})
-		sess.swMu.Lock()
-		err := wire.WriteMessage(sess.sw, 'Q', []byte("ROLLBACK\x00"))
-		if err == nil {
-			err = sess.sw.Flush()
-		}
-		sess.swMu.Unlock()
-		return err
+		return sess.sendServer('Q', []byte("ROLLBACK\x00"))
 	}
 	if err := sess.writeClient('Z', body); err != nil {
 		return err
@@ -675,6 +663,17 @@ func (sess *session) waitIdle() (byte, error) {
 
 var errSessionClosed = errors.New("session closed")
 
+// sendServer writes one message of the proxy's own to the server at once,
+// from the server-to-client direction.
+func (sess *session) sendServer(typ byte, body []byte) error {
+	sess.swMu.Lock()
+	defer sess.swMu.Unlock()
+	if err := wire.WriteMessage(sess.sw, typ, body); err != nil {
+		return err
+	}
+	return sess.sw.Flush()
+}
+
 func (sess *session) flushServer() error {
 	sess.swMu.Lock()
 	defer sess.swMu.Unlock()
@@ -712,11 +711,26 @@ func (c *cstate) ensureExact(sess *session) error {
 }
 
 func (c *cstate) current() byte {
-	st := c.start
+	st, _ := c.walk()
+	return st
+}
+
+// walk applies the unit's statements to its start: the status after them,
+// and whether a statement runs in the implicit transaction that the unit's
+// Sync commits: one executed outside any block after the unit's start or
+// after the last statement that ended a transaction (COMMIT, ROLLBACK,
+// PREPARE TRANSACTION). A statement that opens a block (BEGIN, the chained
+// COMMIT and ROLLBACK) takes the implicit transaction's earlier statements
+// into the block, whose own commit point has the check. A statement that
+// fails skips the rest of the unit and aborts the implicit transaction:
+// nothing commits then, check or not.
+func (c *cstate) walk() (st byte, implicitWork bool) {
+	st = c.start
 	for _, k := range c.kinds {
 		st = apply(st, k)
+		implicitWork = st == 'I' && !k.EndsBlock()
 	}
-	return st
+	return st, implicitWork
 }
 
 // failed reports whether the unit is still inside a failed block, where a
@@ -1022,7 +1036,7 @@ func (sess *session) onExecute(c *cstate) error {
 			return err
 		}
 		if !c.failed() {
-			if err := sess.injectCheck(c); err != nil {
+			if err := sess.injectCheck(c, false); err != nil {
 				return err
 			}
 			c.unit.rollbackOnFail = true
@@ -1068,41 +1082,24 @@ func (sess *session) onSync(c *cstate) error {
 	}
 	c.begin(sess)
 	if c.hasExecute {
-		st := c.current()
+		st, work := c.walk()
 		if st != 'I' {
 			if err := c.ensureExact(sess); err != nil {
 				return err
 			}
-			st = c.current()
+			st, work = c.walk()
 		}
 		// The implicit transaction commits at this Sync. When the unit's
 		// start is known exactly, a unit whose last statements ended their
 		// block (COMMIT, which had its check, or ROLLBACK) leaves nothing in
 		// it; a predicted start gets the check anyway rather than wait.
-		if st == 'I' && (!c.exact || c.implicitWork()) {
-			if err := sess.injectCheck(c); err != nil {
+		if st == 'I' && (!c.exact || work) {
+			if err := sess.injectCheck(c, false); err != nil {
 				return err
 			}
 		}
 	}
 	return sess.endUnit(c, eSync, 'S', body)
-}
-
-// implicitWork reports whether a statement of the unit runs in the implicit
-// transaction that its Sync commits: one executed outside any block after
-// the unit's start or after the last statement that ended a transaction
-// (COMMIT, ROLLBACK, PREPARE TRANSACTION). A statement that opens a block
-// (BEGIN, the chained COMMIT and ROLLBACK) takes the implicit transaction's
-// earlier statements into the block, whose own commit point has the check.
-// A statement that fails skips the rest of the unit and aborts the implicit
-// transaction: nothing commits then, check or not.
-func (c *cstate) implicitWork() bool {
-	st, work := c.start, false
-	for _, k := range c.kinds {
-		st = apply(st, k)
-		work = st == 'I' && !k.EndsBlock()
-	}
-	return work
 }
 
 // endUnit forwards the message that ends the unit and, after a check before
@@ -1155,42 +1152,35 @@ func (sess *session) afterEnd(c *cstate, u *unit) error {
 	return nil
 }
 
-// injectCheck sends the proxy's check before the message being handled: the
-// check prepared at session start while the session has it, else its text.
-func (sess *session) injectCheck(c *cstate) error {
+// injectCheck sends the proxy's check before the message being handled:
+// Bind and Execute of the check prepared at session start while the session
+// has it, else the check's text (Parse, Bind, Execute under the proxy's own
+// names), with Closes first where a leftover of an earlier check could
+// collide. An error in any of them is the check's: the Bind of the prepared
+// check fails when it is gone (26000), and the proxy then sends the text
+// from now on. Ahead of a simple Query (beforeQuery) the server waits for a
+// Sync after such an error, which the proxy then sends (entry.syncOnError).
+func (sess *session) injectCheck(c *cstate, beforeQuery bool) error {
 	sess.srv.metrics.checks(1)
-	if sess.ownPrepared.Load() {
-		return sess.preparedCheck(c, false)
+	own := func(k entryKind, check bool) *entry {
+		return &entry{kind: k, ours: true, check: check, syncOnError: beforeQuery}
 	}
-	c.push(sess,
-		&entry{kind: eClose, ours: true},
-		&entry{kind: eClose, ours: true},
-		&entry{kind: eParse, ours: true},
-		&entry{kind: eBind, ours: true},
-		&entry{kind: eExecute, ours: true, check: true},
-	)
-	return sess.writeServerRaw(c.ownCheck)
-}
-
-// preparedCheck sends Bind and Execute of the check prepared at session
-// start (and a Close of the portal first unless the state is known exactly),
-// ahead of a simple Query when beforeQuery is set (see entry.syncOnError).
-// The Bind's error is the check's too: it fails when the prepared check is
-// gone (26000), and the proxy then sends the check's text from now on.
-func (sess *session) preparedCheck(c *cstate, beforeQuery bool) error {
-	bind := &entry{kind: eBind, ours: true, check: true, syncOnError: beforeQuery}
-	exec := &entry{kind: eExecute, ours: true, check: true, syncOnError: beforeQuery}
-	if c.exact {
+	switch {
+	case !sess.ownPrepared.Load():
+		c.push(sess, own(eClose, false), own(eClose, false), own(eParse, true), own(eBind, true), own(eExecute, true))
+		return sess.writeServerRaw(c.ownCheck)
+	case c.exact:
 		// Every place a check goes ends the transaction right after it
 		// (a commit point, or a Sync in an implicit transaction), and a
 		// transaction's end drops the portal: when the state is known
 		// exactly, the portal cannot be left from an earlier check and
 		// needs no Close first.
-		c.push(sess, bind, exec)
+		c.push(sess, own(eBind, true), own(eExecute, true))
 		return sess.writeServerRaw(c.ownPreparedCheck[closePortalLen:])
+	default:
+		c.push(sess, own(eClose, false), own(eBind, true), own(eExecute, true))
+		return sess.writeServerRaw(c.ownPreparedCheck)
 	}
-	c.push(sess, &entry{kind: eClose, ours: true, syncOnError: beforeQuery}, bind, exec)
-	return sess.writeServerRaw(c.ownPreparedCheck)
 }
 
 // refuse replaces the current client message with a statement that makes
@@ -1316,37 +1306,33 @@ func (sess *session) onQuery(c *cstate) error {
 	if plan.Checks > finalChecks(plan) {
 		c.unit.rollbackOnFail = true
 	}
-	if plan.Checks == 1 && plan.Ours[0] && sess.ownPrepared.Load() {
+	text, ours := plan.Text, plan.Ours
+	if plan.Checks == 1 && ours[0] {
 		// The one check goes before the string's first statement, a commit
 		// point in an explicit block (END, COMMIT, COMMIT AND CHAIN, PREPARE
-		// TRANSACTION): it is sent ahead of the client's Query as Bind and
-		// Execute of the prepared check, which costs the server about 11 k
+		// TRANSACTION): it is sent ahead of the client's Query as
+		// extended-protocol messages, which cost the server about 10 k
 		// instructions less than an EXECUTE statement inside the string
 		// (bench/check-cost.sh), and the Query goes as the client sent it.
-		sess.srv.metrics.checks(1)
-		if err := sess.preparedCheck(c, true); err != nil {
+		if err := sess.injectCheck(c, true); err != nil {
 			return err
 		}
-		es := make([]entry, max(len(plan.Kinds), 1))
-		for i := range es {
-			es[i].kind = eStmt
-		}
-		c.kinds = append(c.kinds, plan.Kinds...)
-		return sess.endQuery(c, sql, es)
+		text, ours = sql, ours[1:]
+	} else {
+		sess.srv.metrics.checks(plan.Checks)
 	}
 	// One entry per statement (an empty query gets one EmptyQueryResponse),
 	// allocated together.
-	es := make([]entry, max(len(plan.Ours), 1))
+	es := make([]entry, max(len(ours), 1))
 	for i := range es {
 		es[i].kind = eStmt
-		if i < len(plan.Ours) && plan.Ours[i] {
+		if i < len(ours) && ours[i] {
 			es[i].ours, es[i].check = true, true
 		}
 	}
-	sess.srv.metrics.checks(plan.Checks)
 	// The Query ends the unit; its statements decide the state after it.
 	c.kinds = append(c.kinds, plan.Kinds...)
-	return sess.endQuery(c, plan.Text, es)
+	return sess.endQuery(c, text, es)
 }
 
 // finalChecks is 1 when the plan's last statement is the check appended for
