@@ -2,7 +2,9 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"io/fs"
 
 	"go.uber.org/zap"
 
@@ -12,6 +14,7 @@ import (
 // MigrateCmd installs or upgrades the fence schema.
 type MigrateCmd struct {
 	Database string `help:"Database URL to install the fence schema in (a role that may create schemas)." required:""`
+	KeyFile  string `help:"Proxy key file: created with a new random key if missing, then stored in the database (the proxies' --key-file)." type:"path"`
 }
 
 // Run applies the embedded migrations.
@@ -19,6 +22,24 @@ func (m *MigrateCmd) Run(ctx context.Context, log *zap.Logger) error {
 	applied, err := fence.Migrate(ctx, m.Database)
 	if err != nil {
 		return fmt.Errorf("migrate: %w", err)
+	}
+	if m.KeyFile != "" {
+		key, err := fence.LoadKey(m.KeyFile)
+		if errors.Is(err, fs.ErrNotExist) {
+			if key, err = fence.GenerateKey(); err == nil {
+				err = fence.WriteKeyFile(m.KeyFile, key)
+			}
+			if err == nil {
+				fmt.Printf("created key file %s\n", m.KeyFile)
+			}
+		}
+		if err != nil {
+			return fmt.Errorf("migrate: %w", err)
+		}
+		if err := fence.SetKey(ctx, m.Database, key); err != nil {
+			return fmt.Errorf("migrate: %w", err)
+		}
+		fmt.Println("proxy key stored in the database")
 	}
 	if len(applied) == 0 {
 		fmt.Println("fence schema is up to date")

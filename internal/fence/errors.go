@@ -18,8 +18,10 @@ const (
 	CodeUnknown        = "ZF005" // resource not configured
 	CodeNotHeld        = "ZF006" // the lock is held by nobody
 	CodeUnavailable    = "ZF007" // token state unknown: fail closed
-	CodeNotAllowed     = "ZF008" // statement would commit past the check
+	CodeNotAllowed     = "ZF008" // the session is bound already (a backend is bound once)
 	CodeHolderMismatch = "ZF009" // fence.session is not the lock's holder
+	CodeProof          = "ZF010" // a bind or raise without the proxy's proof (key mismatch)
+	CodeRaiseFailed    = "ZF011" // a raise could not end the stale backends, or prepared transactions exist
 )
 
 // Error is a fencing rejection. It carries the SQLSTATE the client sees.
@@ -58,6 +60,8 @@ var (
 	ErrUnavailable    = &Error{Code: CodeUnavailable}
 	ErrNotAllowed     = &Error{Code: CodeNotAllowed}
 	ErrHolderMismatch = &Error{Code: CodeHolderMismatch}
+	ErrProof          = &Error{Code: CodeProof}
+	ErrRaiseFailed    = &Error{Code: CodeRaiseFailed}
 )
 
 // IsFencing reports whether err is a fencing rejection and returns it.
@@ -161,13 +165,12 @@ func Unknown(resource string, known []string) *Error {
 	}
 }
 
-// NotAllowed is the refusal of a statement that would commit past the check.
-func NotAllowed(what, hint string) *Error {
-	return &Error{
-		Code:    CodeNotAllowed,
-		Message: "not allowed in a fenced session: " + what,
-		Hint:    hint,
-	}
+// Ended is the error a fenced session sees when a raise of its resource ended its backend:
+// the admission of a higher token.
+func Ended(resource string, token, admitted int64) *Error {
+	e := Stale(resource, token, admitted)
+	e.Detail = "This session's backend was ended when the higher token was admitted: a transaction still open was rolled back; a COMMIT sent but not yet answered may have committed before the new token was admitted, as when any connection is lost."
+	return e
 }
 
 // Response renders the error as the ErrorResponse the client sees.

@@ -56,6 +56,10 @@ func listenOnce(ctx context.Context, url string, reg *Registry, ready func()) er
 		return err
 	}
 	defer conn.Close(context.WithoutCancel(ctx))
+	database := conn.Config().Database
+	if database == "" {
+		database = conn.Config().User // PostgreSQL's default
+	}
 	if _, err := conn.Exec(ctx, "LISTEN "+Channel); err != nil {
 		return err
 	}
@@ -69,7 +73,7 @@ func listenOnce(ctx context.Context, url string, reg *Registry, ready func()) er
 		if err := rows.Scan(&res, &tok); err != nil {
 			return err
 		}
-		reg.Observe(res, tok)
+		reg.Observe(database, res, tok)
 	}
 	if err := rows.Err(); err != nil {
 		return err
@@ -86,9 +90,9 @@ func listenOnce(ctx context.Context, url string, reg *Registry, ready func()) er
 		switch {
 		case err != nil:
 		case reset:
-			reg.Reset(res, tok)
+			reg.Reset(database, res, tok)
 		default:
-			reg.Observe(res, tok)
+			reg.Observe(database, res, tok)
 		}
 	}
 }

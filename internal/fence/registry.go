@@ -4,20 +4,25 @@ import (
 	"sync"
 )
 
-// Registry keeps, per resource, the highest token this proxy instance knows
-// to be admitted, and tells sessions holding a lower token that they went
-// stale. It is an optimisation: the database check is the guarantee, so a
-// registry that is late (a lost notification) only delays early refusal.
+// Registry keeps, per database and resource, the highest token this proxy instance knows to
+// be admitted, and tells sessions holding a lower token that they went stale. Each database
+// has its own fence schema, so a raise in one never makes a session of another stale; what
+// Consul says of a resource holds in every database (Observe with database ""). It is an
+// optimisation: the database ends stale backends at the raise, so a registry that is late (a
+// lost notification) only delays an early refusal or a clear error message.
 type Registry struct {
 	mu  sync.Mutex
 	res map[string]*entry
 }
 
 type entry struct {
-	highest int64
-	blocked *Error // non-nil: every session of the resource is refused with it
+	highest map[string]int64 // database -> highest token admitted there
+	global  int64            // highest token known for every database (Consul)
+	blocked *Error           // non-nil: every session of the resource is refused with it
 	subs    map[*Subscription]struct{}
 }
+
+func (e *entry) top(database string) int64 { return max(e.highest[database], e.global) }
 
 // Handler receives a session's notifications. Its functions must not block.
 type Handler struct {
@@ -32,6 +37,7 @@ type Handler struct {
 // Subscription is one session's interest in a resource.
 type Subscription struct {
 	r        *Registry
+	database string
 	resource string
 	token    int64
 	h        Handler
@@ -46,33 +52,45 @@ func NewRegistry() *Registry {
 func (r *Registry) get(resource string) *entry {
 	e := r.res[resource]
 	if e == nil {
-		e = &entry{subs: map[*Subscription]struct{}{}}
+		e = &entry{highest: map[string]int64{}, subs: map[*Subscription]struct{}{}}
 		r.res[resource] = e
 	}
 	return e
 }
 
-// Observe records that token was admitted for resource. Subscribers whose
-// token is lower are told once, outside the registry's lock.
-func (r *Registry) Observe(resource string, token int64) {
+// Observe records that token was admitted for resource in database ("": in every database).
+// Subscribers whose token is lower are told once, outside the registry's lock.
+func (r *Registry) Observe(database, resource string, token int64) {
 	r.mu.Lock()
 	e := r.get(resource)
-	if token <= e.highest {
-		r.mu.Unlock()
-		return
+	if database == "" {
+		if token <= e.global {
+			r.mu.Unlock()
+			return
+		}
+		e.global = token
+	} else {
+		if token <= e.highest[database] {
+			r.mu.Unlock()
+			return
+		}
+		e.highest[database] = token
 	}
-	e.highest = token
-	var fire []*Subscription
+	type stale struct {
+		s        *Subscription
+		admitted int64
+	}
+	var fire []stale
 	for s := range e.subs {
-		if s.token < token && !s.fired {
+		if top := e.top(s.database); !s.fired && s.token < top {
 			s.fired = true
-			fire = append(fire, s)
+			fire = append(fire, stale{s, top})
 		}
 	}
 	r.mu.Unlock()
-	for _, s := range fire {
-		if s.h.Stale != nil {
-			s.h.Stale(token)
+	for _, f := range fire {
+		if f.s.h.Stale != nil {
+			f.s.h.Stale(f.admitted)
 		}
 	}
 }
@@ -109,37 +127,37 @@ func (r *Registry) Blocked(resource string) *Error {
 	return nil
 }
 
-// Reset forgets what is known about resource and sets it to token, even if
-// lower. It is the operator's way out after a LockIndex regression (see
-// fence.reset in the migrations).
-func (r *Registry) Reset(resource string, token int64) {
+// Reset forgets what is known about resource in database and sets it to token, even if
+// lower; what Consul said of it is forgotten too. It follows fence.reset, the operator's way
+// out after a LockIndex regression.
+func (r *Registry) Reset(database, resource string, token int64) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	r.get(resource).highest = token
+	e := r.get(resource)
+	e.highest[database] = token
+	e.global = 0
 }
 
-// Highest returns the highest token known for resource (0: none).
-func (r *Registry) Highest(resource string) int64 {
+// Highest returns the highest token known for resource in database (0: none).
+func (r *Registry) Highest(database, resource string) int64 {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if e := r.res[resource]; e != nil {
-		return e.highest
+		return e.top(database)
 	}
 	return 0
 }
 
-// Subscribe registers a session holding token for resource. If the token is
+// Subscribe registers a session of database holding token for resource. If the token is
 // already stale, or the resource blocked, h is called before Subscribe returns.
-func (r *Registry) Subscribe(resource string, token int64, h Handler) *Subscription {
-	s := &Subscription{r: r, resource: resource, token: token, h: h}
+func (r *Registry) Subscribe(database, resource string, token int64, h Handler) *Subscription {
+	s := &Subscription{r: r, database: database, resource: resource, token: token, h: h}
 	r.mu.Lock()
 	e := r.get(resource)
 	e.subs[s] = struct{}{}
-	stale := e.highest > token
-	if stale {
-		s.fired = true
-	}
-	highest, blocked := e.highest, e.blocked
+	highest, blocked := e.top(database), e.blocked
+	stale := highest > token
+	s.fired = stale
 	r.mu.Unlock()
 	if stale && h.Stale != nil {
 		h.Stale(highest)

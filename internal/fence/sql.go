@@ -1,73 +1,165 @@
 package fence
 
 import (
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
 	"fmt"
+	"os"
 	"strconv"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
 )
 
-// The statements the proxy injects into a session. Each is a single SELECT of one function of
-// the fence schema (see migrations/00001_fence_schema.sql for what the functions guarantee),
-// built from a resource name that passed ValidResource and an integer token: never from text a
-// client sent. A valid name holds only a-z, 0-9, '_', '.' and '-', so it cannot end the string
-// literal it is put in, whatever standard_conforming_strings says, and the function names are
-// schema-qualified in a schema where only its owner may create objects, so neither the
-// client's search_path nor its objects can change what runs.
+// The statements the proxy sends: a bind at session start and a raise on its control
+// connection, each a single SELECT of one function of the fence schema (see
+// migrations/00004_bind_sessions.sql for what they guarantee), built from a resource name that
+// passed ValidResource, an integer token and a hex proof: never from text a client sent. A
+// valid name holds only a-z, 0-9, '_', '.' and '-', so it cannot end the string literal it is
+// put in, whatever standard_conforming_strings says.
 
-// CheckSQL returns the commit-time check of a fenced session, e.g.
-// SELECT fence.check('billing', 34). The proxy runs it inside the client's transaction
-// immediately before that transaction commits; it returns one row (void) or fails with ZF001
-// when a higher token was admitted for the resource.
+// Key is the proxy key: the secret that proves to the database that a bind or a raise comes
+// from fenceproxy (proof obligation P5 of migration 4). The same key is stored in the
+// database's fence.keys (SetKey) and given to every proxy (--key-file).
+type Key []byte
+
+// KeySize is the size of a generated key.
+const KeySize = 32
+
+// GenerateKey returns a new random key.
+func GenerateKey() (Key, error) {
+	k := make(Key, KeySize)
+	if _, err := rand.Read(k); err != nil {
+		return nil, err
+	}
+	return k, nil
+}
+
+// ParseKey decodes a key file's text: hex, white space around it ignored, 16 bytes or more.
+func ParseKey(text string) (Key, error) {
+	k, err := hex.DecodeString(strings.TrimSpace(text))
+	if err != nil {
+		return nil, fmt.Errorf("fence: key is not hex: %w", err)
+	}
+	if len(k) < 16 {
+		return nil, fmt.Errorf("fence: key has %d bytes, needs 16 or more", len(k))
+	}
+	return k, nil
+}
+
+// LoadKey reads a key file.
+func LoadKey(path string) (Key, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("fence: key file: %w", err)
+	}
+	k, err := ParseKey(string(b))
+	if err != nil {
+		return nil, fmt.Errorf("%w (%s)", err, path)
+	}
+	return k, nil
+}
+
+// WriteKeyFile writes k to a new file at path, readable by its owner only.
+func WriteKeyFile(path string, k Key) error {
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
+	if err != nil {
+		return fmt.Errorf("fence: key file: %w", err)
+	}
+	if _, err := f.WriteString(hex.EncodeToString(k) + "\n"); err != nil {
+		f.Close()
+		return fmt.Errorf("fence: key file: %w", err)
+	}
+	return f.Close()
+}
+
+// Proof is the MAC fence.verify expects from the backend with process ID pid in database:
+// hex(sha256(key || sha256(key || message))), message = kind, database, resource, token and pid
+// joined by newlines (fence.proof in migration 4).
+func (k Key) Proof(kind, database, resource string, token int64, pid uint32) string {
+	msg := kind + "\n" + database + "\n" + resource + "\n" + strconv.FormatInt(token, 10) + "\n" + strconv.FormatUint(uint64(pid), 10)
+	inner := sha256.Sum256(append(append([]byte(nil), k...), msg...))
+	outer := sha256.Sum256(append(append([]byte(nil), k...), inner[:]...))
+	return hex.EncodeToString(outer[:])
+}
+
+// BindSQL returns the statement that binds the session's backend (process ID pid, in
+// database) to (resource, token), e.g. SELECT fence.bind('billing', 34, '…'). Its one row,
+// one column is the token stored afterwards; it fails with ZF001 when a higher token is
+// stored, and binds nothing then.
+//
+// Run it in its own READ COMMITTED, READ WRITE transaction: fence.bind refuses other
+// isolation levels, and a read-only transaction cannot raise.
 //
 // It returns a ZF004 *Error (errors.Is(err, ErrMalformed)) for an invalid resource name or a
 // token below 1, and never panics: the values come from a session's startup parameters, so a
 // bad one is the client's mistake, answered with an error.
-func CheckSQL(resource string, token int64) (string, error) {
-	if err := validateCall(resource, token); err != nil {
-		return "", err
-	}
-	return call("check", resource, token), nil
+func (k Key) BindSQL(database, resource string, token int64, pid uint32) (string, error) {
+	return k.call("bind", database, resource, token, pid)
 }
 
-// RaiseSQL returns the statement that admits a session's token, e.g.
-// SELECT fence.raise('billing', 34), to run in its own transaction (autocommit). Its one row,
-// one column is the token stored afterwards: the session may proceed only when that is not
-// higher than its own token. Errors as for CheckSQL.
-//
-// Run it outside a transaction block, read-write, under READ COMMITTED. A session whose
-// default_transaction_read_only is on cannot raise at all, and under a default isolation of
-// REPEATABLE READ or SERIALIZABLE two raises of one resource that race make the later one fail
-// with 40001 (retry it) where READ COMMITTED would wait and re-check.
-func RaiseSQL(resource string, token int64) (string, error) {
-	if err := validateCall(resource, token); err != nil {
-		return "", err
-	}
-	return call("raise", resource, token), nil
+// RaiseSQL returns the statement that admits token for resource on the proxy's own
+// connection (process ID pid, in database), ending the backends bound to lower tokens:
+// SELECT fence.raise('billing', 35, '…'). Its result and errors are as for BindSQL.
+func (k Key) RaiseSQL(database, resource string, token int64, pid uint32) (string, error) {
+	return k.call("raise", database, resource, token, pid)
 }
 
-// CheckReadOnlySQL returns the commit-time check of an unfenced, read-only session:
-// SELECT fence.check_readonly(), which fails with SQLSTATE 25006 when the transaction wrote.
-func CheckReadOnlySQL() string {
-	return "SELECT fence.check_readonly()"
-}
-
-func validateCall(resource string, token int64) error {
+func (k Key) call(kind, database, resource string, token int64, pid uint32) (string, error) {
 	if !ValidResource(resource) {
-		return Malformed(fmt.Sprintf("resource %q must match %s", resource, resourcePattern))
+		return "", Malformed(fmt.Sprintf("resource %q must match %s", resource, resourcePattern))
 	}
 	if token < 1 {
-		return Malformed(fmt.Sprintf("token %d must be 1 or more", token))
+		return "", Malformed(fmt.Sprintf("token %d must be 1 or more", token))
 	}
-	return nil
+	return "SELECT fence." + kind + "('" + resource + "', " + strconv.FormatInt(token, 10) + ", '" +
+		k.Proof(kind, database, resource, token, pid) + "')", nil
 }
 
-func call(function, resource string, token int64) string {
-	b := make([]byte, 0, len("SELECT fence.check('', )")+len(resource)+20)
-	b = append(b, "SELECT fence."...)
-	b = append(b, function...)
-	b = append(b, "('"...)
-	b = append(b, resource...)
-	b = append(b, "', "...)
-	b = strconv.AppendInt(b, token, 10)
-	b = append(b, ')')
-	return string(b)
+// Raise admits token for resource through conn (the proxy's control connection, not a
+// client's session), ending every backend bound to a lower token before it commits, and
+// returns the token stored afterwards: higher than token when a newer one was admitted.
+func (k Key) Raise(ctx context.Context, conn *pgx.Conn, resource string, token int64) (int64, error) {
+	database := conn.Config().Database
+	if database == "" {
+		database = conn.Config().User // PostgreSQL's default
+	}
+	q, err := k.RaiseSQL(database, resource, token, conn.PgConn().PID())
+	if err != nil {
+		return 0, err
+	}
+	var stored int64
+	// Its own READ COMMITTED transaction whatever the connection's defaults.
+	tx, err := conn.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted, AccessMode: pgx.ReadWrite})
+	if err != nil {
+		return 0, err
+	}
+	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // after Commit, a no-op
+	if err := tx.QueryRow(ctx, q, pgx.QueryExecModeSimpleProtocol).Scan(&stored); err != nil {
+		return 0, err
+	}
+	return stored, tx.Commit(ctx)
+}
+
+// SetKey stores k as the proxy key of the database at databaseURL (a role that owns the fence
+// schema). Proxies with another key are refused from then on (ZF010).
+func SetKey(ctx context.Context, databaseURL string, k Key) error {
+	if len(k) < 16 {
+		return errors.New("fence: key too short")
+	}
+	conn, err := pgx.Connect(ctx, databaseURL)
+	if err != nil {
+		return fmt.Errorf("fence: set key: %w", err)
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	_, err = conn.Exec(ctx, `INSERT INTO fence.keys (id, key) VALUES (1, $1)
+		ON CONFLICT (id) DO UPDATE SET key = excluded.key, updated_at = now()
+		WHERE fence.keys.key IS DISTINCT FROM excluded.key`, []byte(k))
+	if err != nil {
+		return fmt.Errorf("fence: set key: %w", err)
+	}
+	return nil
 }

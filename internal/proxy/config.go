@@ -59,20 +59,23 @@ type Config struct {
 	Resources []string `help:"Fenced resource, NAME or NAME=CONSUL_KEY (repeatable)." name:"resource" sep:","`
 	// Unfenced is the policy for sessions without fence parameters:
 	// reject (default), readonly or allow.
-	Unfenced string `help:"Sessions without a token: reject, readonly (enforced by PostgreSQL) or allow." default:"reject" enum:"reject,readonly,allow"`
+	Unfenced string `help:"Sessions without a token: reject, readonly (best effort: default_transaction_read_only, which a client can turn off; use a role without write privileges to enforce it) or allow." default:"reject" enum:"reject,readonly,allow"`
 	// ControlDatabase is a connection URL the proxy uses itself: it LISTENs
 	// there for raises made through other proxy instances (and raises tokens
 	// Consul hands out). Empty: no cross-instance notifications.
 	ControlDatabase string `help:"Database URL the proxy itself uses to LISTEN for raises (and raise tokens proactively)."`
+	// KeyFile holds the proxy key (hex), the secret that proves to the
+	// database that a bind or raise comes from fenceproxy; `fenceproxy
+	// migrate --key-file` creates it and stores it in the database. Required
+	// when Resources is not empty.
+	KeyFile string `help:"File with the proxy key (hex) that fenceproxy migrate --key-file stored in the database; required with --resource." type:"path"`
+	// Key, when set, is used instead of KeyFile (programs that embed the proxy).
+	Key fence.Key `kong:"-" json:"-"`
 
 	// MetricsListen serves Prometheus metrics on /metrics (empty: off).
 	MetricsListen string `help:"Address for Prometheus /metrics (empty: off)."`
 	// DebugPprof also serves Go's profiler on MetricsListen (/debug/pprof/).
 	DebugPprof bool `help:"Also serve Go's profiler at /debug/pprof/ on --metrics-listen (for performance work)."`
-	// DebugParseUnfenced makes unfenced sessions parse every simple Query the
-	// way a fenced session does, and throw the result away: what the exact
-	// parse alone costs, with no check (bench.sh's target parsed).
-	DebugParseUnfenced bool `help:"Parse every simple Query of unfenced sessions as a fenced session would, and discard the result (for benchmarks: what the parse alone costs)."`
 
 	// Consul configures token validation (see internal/lease).
 	ConsulAddr     string `help:"Consul HTTP address; empty: tokens are not validated against Consul." name:"consul-addr"`
@@ -149,6 +152,16 @@ func (c Config) validate() (*settings, error) {
 		}
 		s.resources = append(s.resources, Resource{Name: name, Key: key})
 		s.names = append(s.names, name)
+	}
+	if len(s.Key) == 0 && s.KeyFile != "" {
+		k, err := fence.LoadKey(s.KeyFile)
+		if err != nil {
+			return nil, err
+		}
+		s.Key = k
+	}
+	if len(s.resources) > 0 && len(s.Key) == 0 {
+		return nil, errors.New("key-file is required with resource: fenced sessions are bound with the proxy key (fenceproxy migrate --key-file creates the file and stores the key in the database)")
 	}
 	var err error
 	if s.upstream, err = parseUpstream(s.Upstream, s.UpstreamSSLMode, s.UpstreamSSLRootCert); err != nil {

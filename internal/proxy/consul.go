@@ -29,7 +29,7 @@ const (
 // or its LockIndex went backwards, it blocks the resource's sessions.
 //
 // Consul's word is needed to admit a token, never to keep the guarantee: the
-// database check orders commits whatever the Guard knows.
+// database's bind and raise order commits whatever the Guard knows.
 type Guard struct {
 	watcher  *lease.Watcher
 	reg      *fence.Registry
@@ -38,6 +38,7 @@ type Guard struct {
 	byKey    map[string]string // key -> resource
 	downMode string
 	pool     *pgxpool.Pool // control database for proactive raises (nil: none)
+	key      fence.Key     // the proxy key, for the raise's proof
 	metrics  *guardMetrics
 
 	raiseMu sync.Mutex // one raise at a time per Guard keeps the log readable
@@ -64,7 +65,7 @@ func NewGuard(ctx context.Context, cfg Config, opts GuardOptions) (*Guard, error
 	if err != nil {
 		return nil, err
 	}
-	g := &Guard{reg: opts.Registry, log: opts.Logger, keys: map[string]string{}, byKey: map[string]string{}, downMode: s.ConsulDownMode}
+	g := &Guard{reg: opts.Registry, log: opts.Logger, keys: map[string]string{}, byKey: map[string]string{}, downMode: s.ConsulDownMode, key: s.Key}
 	if g.log == nil {
 		g.log = zap.NewNop()
 	}
@@ -183,8 +184,8 @@ func (g *Guard) onChange(st lease.State) {
 		g.metrics.known.WithLabelValues(res).Set(1)
 	} else {
 		g.metrics.known.WithLabelValues(res).Set(0)
-		// Unknown: sessions already admitted go on; the database check keeps
-		// ordering their commits. New tokens are refused by Admit.
+		// Unknown: sessions already admitted go on; the database's raise still
+		// ends them when a newer holder is admitted. New tokens are refused by Admit.
 		return
 	}
 	if st.Regression != nil {
@@ -201,10 +202,10 @@ func (g *Guard) onChange(st lease.State) {
 	}
 	g.reg.Block(res, nil)
 	tok := int64(st.LockIndex)
-	if tok > g.reg.Highest(res) {
-		// Sessions of older tokens are refused (and their queries cancelled)
-		// from now on; the database raise makes it binding for every proxy.
-		g.reg.Observe(res, tok)
+	if tok > g.reg.Highest("", res) {
+		// Sessions of older tokens are ended from now on, in every database;
+		// the database raise makes it binding for every proxy.
+		g.reg.Observe("", res, tok)
 		go g.raise(res, tok)
 	}
 }
@@ -217,7 +218,11 @@ func (g *Guard) raise(res string, tok int64) {
 	g.raiseMu.Lock()
 	defer g.raiseMu.Unlock()
 	var stored int64
-	err := g.pool.QueryRow(context.Background(), "SELECT fence.raise($1, $2)", res, tok).Scan(&stored)
+	err := g.pool.AcquireFunc(context.Background(), func(c *pgxpool.Conn) error {
+		var err error
+		stored, err = g.key.Raise(context.Background(), c.Conn(), res, tok)
+		return err
+	})
 	switch {
 	case err != nil:
 		g.metrics.raises.WithLabelValues(res, "error").Inc()

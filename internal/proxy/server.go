@@ -14,13 +14,12 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
-	"github.com/fenceproxy/fenceproxy/internal/sqltx"
 	"github.com/fenceproxy/fenceproxy/internal/wire"
 )
 
 // Admitter validates a session's credentials against an authority outside
 // the database (Consul) before the proxy raises the token. A nil Admitter
-// admits every well-formed token; the database check still orders them.
+// admits every well-formed token; the database's bind still orders them.
 type Admitter interface {
 	Admit(ctx context.Context, c fence.Credentials) error
 }
@@ -45,10 +44,6 @@ type Server struct {
 	metrics *Metrics
 	reg     *fence.Registry
 	admit   Admitter
-	// sqlCache remembers how recent SQL texts split and classify, shared by
-	// every session: a text that comes again (a prepared statement, BEGIN,
-	// COMMIT) is parsed twice, then found in the cache.
-	sqlCache *sqltx.Cache
 
 	clients    atomic.Int64
 	sessionIDs atomic.Uint64 // for log correlation
@@ -71,7 +66,6 @@ func New(cfg Config, opts Options) (*Server, error) {
 		reg:      opts.Registry,
 		admit:    opts.Admitter,
 		sessions: map[*session]struct{}{},
-		sqlCache: sqltx.NewCache(4096),
 	}
 	if srv.log == nil {
 		srv.log = zap.NewNop()

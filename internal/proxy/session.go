@@ -20,13 +20,17 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
-	"github.com/fenceproxy/fenceproxy/internal/sqltx"
 	"github.com/fenceproxy/fenceproxy/internal/wire"
 )
 
 const bufSize = 32 << 10
 
 // session is one client and its upstream connection.
+//
+// Ownership: login fills the connections, cred, mode, database, pid and key
+// before the relay starts and nothing changes them afterwards. During the
+// relay, cw belongs to whoever holds cwMu and sw to whoever holds swMu; status
+// and outstanding are guarded by mu; the rest are atomics or set once.
 type session struct {
 	srv *Server
 	log *zap.Logger
@@ -36,53 +40,42 @@ type session struct {
 	cw, sw         *bufio.Writer
 	cwMu, swMu     sync.Mutex
 
-	// BackendKeyData of the upstream backend, to cancel its queries.
+	// BackendKeyData of the upstream backend: its pid is also what the bind
+	// is keyed by (with its backend_start, which the database reads itself).
 	pid uint32
 	key []byte
 
 	clientTLS bool // the client connection is TLS
 
-	// ownPrepared is true while the check is prepared on the server under
-	// the name ownPrepared (DEALLOCATE, DISCARD ALL or a Close by the
-	// client make it false for good: the proxy then sends the check's text).
-	ownPrepared atomic.Bool
-
-	cred     fence.Credentials
-	mode     checkMode
-	checkSQL string
-	sub      *fence.Subscription
+	cred          fence.Credentials
+	mode          sessionMode
+	database      string // the database the session connects to (the registry's key, the proof's)
+	consulChecked bool   // the token was validated against Consul
+	sub           *fence.Subscription
 
 	// stale is set when a higher token was admitted for the session's
-	// resource; admitted is that token.
-	stale         atomic.Bool
-	admitted      atomic.Int64
-	blocked       atomic.Pointer[fence.Error] // resource blocked: lock free, or LockIndex regression
-	closeOnStale  bool                        // close the session at its next idle point once stale
-	consulChecked bool                        // the token was validated against Consul
-	cancelSent    atomic.Bool
-	shuttingDown  atomic.Bool
-	closeReason   atomic.Pointer[fence.Error]
-	// The server's lexing settings as last reported (ParameterStatus), read
-	// for every Query and Parse of a fenced session: atomics, no lock.
-	stdStringsOff  atomic.Bool // standard_conforming_strings is off
-	encodingUnsafe atomic.Bool // client_encoding may hide a backslash in a multibyte character
+	// resource (admitted is that token, staleCh is closed then).
+	stale       atomic.Bool
+	admitted    atomic.Int64
+	staleOnce   sync.Once
+	staleCh     chan struct{}
+	blocked     atomic.Pointer[fence.Error] // resource blocked: lock free, or LockIndex regression
+	serverFatal atomic.Pointer[pgproto3.ErrorResponse]
 
-	// Shared between the two relay directions, guarded by mu.
+	shuttingDown atomic.Bool
+	endOnce      sync.Once
+
 	mu          sync.Mutex
-	cond        *sync.Cond
-	status      byte // from the last ReadyForQuery relayed
-	outstanding int  // units (Sync, Query, FunctionCall) forwarded but not answered
-	closed      bool
+	status      byte          // from the last ReadyForQuery relayed
+	outstanding int           // units (Sync, Query, FunctionCall) forwarded but not answered
 	done        chan struct{} // closed when the relay ends
-	queue       entryQueue
 }
 
-type checkMode uint8
+type sessionMode uint8
 
 const (
-	modePassthrough checkMode = iota // unfenced, allowed: relay only
-	modeFenced                       // fence.check at every commit point
-	modeReadOnly                     // fence.check_readonly at every commit point
+	modeUnfenced sessionMode = iota // no token: relay only (reject refused it at startup)
+	modeFenced                      // bound to its token at startup
 )
 
 // fatal is an error the client sees as a FATAL ErrorResponse before the
@@ -104,8 +97,7 @@ func fatalFence(fe *fence.Error) *fatal {
 }
 
 func (s *Server) handle(ctx context.Context, conn net.Conn) {
-	sess := &session{srv: s, client: conn, status: 'I', done: make(chan struct{})}
-	sess.cond = sync.NewCond(&sess.mu)
+	sess := &session{srv: s, client: conn, status: 'I', done: make(chan struct{}), staleCh: make(chan struct{})}
 	sess.log = s.log.With(zap.Uint64("session", s.sessionIDs.Add(1)))
 	if tc, ok := conn.(*net.TCPConn); ok {
 		tc.SetNoDelay(true) //nolint:errcheck // best effort
@@ -285,16 +277,16 @@ func (sess *session) classify(ctx context.Context, st *wire.Startup) error {
 		return fatalf(fence.CodeMalformed, "%v", err)
 	}
 	sess.cred = cred
+	sess.database, _ = st.Param("database")
+	if sess.database == "" {
+		sess.database, _ = st.Param("user") // PostgreSQL's default
+	}
 	if !cred.Present {
 		switch s.cfg.Unfenced {
 		case UnfencedAllow:
-			sess.mode = modePassthrough
 		case UnfencedReadOnly:
-			sess.mode = modeReadOnly
-			sess.checkSQL = fence.CheckReadOnlySQL()
-			// The early, friendly refusal ("cannot execute INSERT in a
-			// read-only transaction"). The client can SET it off; the
-			// injected fence.check_readonly is what it cannot switch off.
+			// Best effort: a client can SET it off. A role without write
+			// privileges is what enforces read-only (README).
 			st.SetParam("default_transaction_read_only", "on")
 		default:
 			return fatalFence(fence.Missing("this proxy requires a fencing token for every session (--unfenced=reject)"))
@@ -302,19 +294,14 @@ func (sess *session) classify(ctx context.Context, st *wire.Startup) error {
 		return nil
 	}
 	sess.mode = modeFenced
-	sess.checkSQL, err = fence.CheckSQL(cred.Resource, cred.Token)
-	if err != nil {
-		return fatalf(fence.CodeMalformed, "%v", err)
-	}
 	sess.log = sess.log.With(zap.String("resource", cred.Resource), zap.Int64("token", cred.Token))
-	if h := s.reg.Highest(cred.Resource); h > cred.Token {
+	if h := s.reg.Highest(sess.database, cred.Resource); h > cred.Token {
 		return fatalFence(fence.Stale(cred.Resource, cred.Token, h))
 	}
 	if v, ok := s.admit.(interface{ Validates(string) bool }); ok && v.Validates(cred.Resource) {
 		// Consul says who holds the lock: when it hands the lock to a newer
 		// holder, this session is closed at its next idle point.
 		sess.consulChecked = true
-		sess.closeOnStale = true
 	}
 	if s.admit != nil {
 		if err := s.admit.Admit(ctx, cred); err != nil {
@@ -380,16 +367,11 @@ func (sess *session) relayAuth(ctx context.Context) error {
 			if err := sess.toClient(typ, body, false); err != nil {
 				return err
 			}
-		case 'S':
-			sess.noteParameter(body)
-			if err := sess.toClient(typ, body, false); err != nil {
-				return err
-			}
 		case 'Z':
 			if len(body) != 1 {
 				return fatalf(wire.CodeProtocolViolation, "malformed ReadyForQuery from the server")
 			}
-			if err := sess.afterLogin(ctx); err != nil {
+			if err := sess.bind(); err != nil {
 				return err
 			}
 			sess.status = body[0]
@@ -447,51 +429,28 @@ func (sess *session) toClient(typ byte, body []byte, flush bool) error {
 	return nil
 }
 
-// noteParameter tracks the two settings that decide how SQL text lexes:
-// the proxy's parser reads strings as with standard_conforming_strings=on
-// and an ASCII-safe client_encoding, so fenced sessions are refused SQL
-// while either is otherwise (see internal/sqltx's doc).
-func (sess *session) noteParameter(body []byte) {
-	name, rest, err := wire.CString(body)
-	if err != nil {
-		return
-	}
-	val, _, _ := wire.CString(rest)
-	switch name {
-	case "standard_conforming_strings":
-		sess.stdStringsOff.Store(val != "on")
-	case "client_encoding":
-		sess.encodingUnsafe.Store(!sqltx.ClientEncodingSafe(val))
-	}
-}
-
-// afterLogin raises a fenced session's token in its own transaction on the
-// session's own connection (with the client's credentials) before the
-// client sees ReadyForQuery, and refuses the session if a higher token is
-// already stored.
-func (sess *session) afterLogin(ctx context.Context) error {
-	if sess.mode == modePassthrough {
+// bind binds a fenced session's backend to its token (fence.bind, which
+// raises the token first when it is higher, ending the backends bound to lower
+// ones) in its own transaction on the session's own connection, with the
+// client's credentials, before the client sees ReadyForQuery: the client can
+// send nothing before its backend is bound. A refusal closes the session.
+func (sess *session) bind() error {
+	if sess.mode != modeFenced {
 		return nil
 	}
 	c := sess.cred
-	// The check is prepared once per session: PostgreSQL then neither
-	// parses nor plans it again at every commit (measured: that was most of
-	// the check's cost). If the client deallocates it, the proxy falls back
-	// to sending the check's text (see ownPrepared).
-	prepare := "PREPARE " + ownPrepared + " AS " + sess.checkSQL
-	q := prepare
-	if sess.mode == modeFenced {
-		raise, err := fence.RaiseSQL(c.Resource, c.Token)
-		if err != nil {
-			return fatalf(fence.CodeMalformed, "%v", err)
-		}
-		// Its own short transaction, READ COMMITTED and READ WRITE whatever
-		// the session's defaults (default_transaction_isolation or _read_only
-		// given in the startup options): under REPEATABLE READ two racing
-		// raises would fail with 40001, and a read-only default would refuse
-		// the raise.
-		q = "BEGIN ISOLATION LEVEL READ COMMITTED READ WRITE; " + raise + "; COMMIT; " + prepare
+	if sess.pid == 0 {
+		return fatalf(fence.CodeUnavailable, "fenceproxy cannot bind the session: the server sent no BackendKeyData")
 	}
+	q, err := sess.srv.cfg.Key.BindSQL(sess.database, c.Resource, c.Token, sess.pid)
+	if err != nil {
+		return fatalf(fence.CodeMalformed, "%v", err)
+	}
+	// Its own short transaction, READ COMMITTED and READ WRITE whatever the
+	// session's defaults (default_transaction_isolation or _read_only given
+	// in the startup options): fence.bind refuses other isolation levels, and
+	// a read-only default would refuse the raise.
+	q = "BEGIN ISOLATION LEVEL READ COMMITTED READ WRITE; " + q + "; COMMIT"
 	if err := wire.WriteMessage(sess.sw, 'Q', append([]byte(q), 0)); err != nil {
 		return err
 	}
@@ -503,7 +462,7 @@ func (sess *session) afterLogin(ctx context.Context) error {
 	for {
 		typ, _, err := sess.sr.Next()
 		if err != nil {
-			return fatalf(wire.CodeConnectionFailure, "fenceproxy lost the server while raising the token: %v", err)
+			return fatalf(wire.CodeConnectionFailure, "fenceproxy lost the server while binding the session: %v", err)
 		}
 		body, err := sess.sr.Body()
 		if err != nil {
@@ -521,67 +480,55 @@ func (sess *session) afterLogin(ctx context.Context) error {
 		case 'E':
 			serverErr, _ = wire.DecodeError(body)
 		case 'S':
-			sess.noteParameter(body)
 			if err := sess.toClient(typ, body, false); err != nil {
 				return err
 			}
 		case 'N', 'A':
 			// Notices of our own statement are not the client's business.
 		case 'Z':
-			if serverErr != nil && sess.mode == modeReadOnly {
-				return fatalf(fence.CodeUnavailable, "fenceproxy could not prepare the read-only check: %s (SQLSTATE %s); is the fence schema installed in this database (fenceproxy migrate)?",
-					serverErr.Message, serverErr.Code)
-			}
-			if sess.mode == modeReadOnly {
-				sess.ownPrepared.Store(true)
-				return nil
-			}
-			if serverErr != nil {
-				if serverErr.Code[:2] == "ZF" {
-					return &fatal{resp: &pgproto3.ErrorResponse{Severity: wire.SeverityFatal, Code: serverErr.Code,
-						Message: serverErr.Message, Detail: serverErr.Detail, Hint: serverErr.Hint}}
-				}
-				return fatalf(fence.CodeUnavailable, "fenceproxy could not raise fencing token %d for resource %q: %s (SQLSTATE %s); is the fence schema installed in this database (fenceproxy migrate) and may this role execute fence.raise?",
-					c.Token, c.Resource, serverErr.Message, serverErr.Code)
-			}
-			if stored < 0 {
-				return fatalf(fence.CodeUnavailable, "fenceproxy could not read the stored token for resource %q", c.Resource)
-			}
-			if stored > c.Token && sess.consulChecked {
-				// Consul just said this token is the current LockIndex, yet the
-				// database admitted a higher one: Consul's numbers went backwards
-				// (key re-created, plain PUT, snapshot restore). Fail closed and say so.
-				fe := fence.Regression(c.Resource, fmt.Sprintf("Consul's current LockIndex is %d but the database already admitted token %d", c.Token, stored))
-				sess.log.Error("failing closed: stored token above Consul's LockIndex", zap.Int64("stored", stored))
-				return fatalFence(fe)
-			}
-			sess.srv.reg.Observe(c.Resource, stored)
-			if stored > c.Token {
-				return fatalFence(fence.Stale(c.Resource, c.Token, stored))
-			}
-			sess.ownPrepared.Store(true)
-			sess.sub = sess.srv.reg.Subscribe(c.Resource, c.Token, fence.Handler{Stale: sess.onStale, Blocked: sess.onBlocked})
-			return nil
+			return sess.bound(stored, serverErr)
 		}
 	}
 }
 
-// onStale runs when the registry learns of a higher token. It must not block.
+// bound judges the bind's outcome.
+func (sess *session) bound(stored int64, serverErr *pgproto3.ErrorResponse) error {
+	c := sess.cred
+	if serverErr != nil {
+		if serverErr.Code == fence.CodeStale && sess.consulChecked {
+			// Consul just said this token is the current LockIndex, yet the
+			// database admitted a higher one: Consul's numbers went backwards
+			// (key re-created, plain PUT, snapshot restore). Fail closed and say so.
+			fe := fence.Regression(c.Resource, fmt.Sprintf("Consul's current LockIndex is %d but the database already admitted a higher token (%s)", c.Token, serverErr.Message))
+			sess.log.Error("failing closed: stored token above Consul's LockIndex", zap.String("database_said", serverErr.Message))
+			return fatalFence(fe)
+		}
+		if serverErr.Code[:2] == "ZF" {
+			return &fatal{resp: &pgproto3.ErrorResponse{Severity: wire.SeverityFatal, Code: serverErr.Code,
+				Message: serverErr.Message, Detail: serverErr.Detail, Hint: serverErr.Hint}}
+		}
+		return fatalf(fence.CodeUnavailable, "fenceproxy could not bind the session to fencing token %d of resource %q: %s (SQLSTATE %s); is the fence schema at version 4 in this database (fenceproxy migrate) and may this role execute fence.bind?",
+			c.Token, c.Resource, serverErr.Message, serverErr.Code)
+	}
+	if stored < 0 {
+		return fatalf(fence.CodeUnavailable, "fenceproxy could not read the stored token for resource %q", c.Resource)
+	}
+	sess.srv.reg.Observe(sess.database, c.Resource, stored)
+	if stored > c.Token { // fence.bind refuses this itself; never trust one side alone
+		return fatalFence(fence.Stale(c.Resource, c.Token, stored))
+	}
+	sess.sub = sess.srv.reg.Subscribe(sess.database, c.Resource, c.Token, fence.Handler{Stale: sess.onStale, Blocked: sess.onBlocked})
+	return nil
+}
+
+// onStale runs when the registry learns of a higher token. It must not
+// block: endWhenStale ends the session.
 func (sess *session) onStale(admitted int64) {
-	sess.admitted.Store(admitted)
-	sess.stale.Store(true)
-	sess.mu.Lock()
-	busy := sess.outstanding > 0 || sess.queue.len() > 0
-	sess.mu.Unlock()
-	sess.log.Info("session went stale", zap.Int64("admitted", admitted), zap.Bool("in_flight", busy))
-	if busy {
-		go sess.cancelInFlight()
-	}
-	if sess.closeOnStale {
-		// A new holder exists: close the old one's session as soon as it is
-		// idle (right away if it is), telling it why.
-		sess.closeWhenIdle(sess.staleError())
-	}
+	sess.staleOnce.Do(func() {
+		sess.admitted.Store(admitted)
+		sess.stale.Store(true)
+		close(sess.staleCh)
+	})
 }
 
 // onBlocked runs when the resource is blocked or unblocked.
@@ -592,73 +539,32 @@ func (sess *session) onBlocked(err *fence.Error) {
 	}
 }
 
-// refusal is the error a fenced session's statements are refused with
-// before they run, or nil.
+// refusal is the error a fenced session is ended with at its next message
+// before the database ends it, or nil.
 func (sess *session) refusal() *fence.Error {
-	if sess.mode != modeFenced {
-		return nil
-	}
 	if sess.stale.Load() {
 		return sess.staleError()
 	}
 	return sess.blocked.Load()
 }
 
-// cancelInFlight asks the server to cancel the session's running query.
-func (sess *session) cancelInFlight() {
-	if !sess.cancelSent.CompareAndSwap(false, true) {
-		return
-	}
-	sess.srv.metrics.cancel()
-	ctx, cancel := context.WithTimeout(context.Background(), sess.srv.cfg.ConnectTimeout)
-	defer cancel()
-	req := &wire.Startup{Kind: wire.KindCancelRequest, ProcessID: sess.pid, SecretKey: sess.key}
-	if err := sess.srv.forwardCancel(ctx, req); err != nil {
-		sess.log.Warn("could not cancel the stale session's query", zap.Error(err))
-	}
+func (sess *session) staleError() *fence.Error {
+	return fence.Ended(sess.cred.Resource, sess.cred.Token, sess.admitted.Load())
 }
 
 // shutdownWhenIdle closes the session now if it is idle between
 // transactions, or at its next idle point.
 func (sess *session) shutdownWhenIdle() {
-	sess.closeWhenIdle(nil)
-}
-
-// closeWhenIdle closes the session with a FATAL error (nil: fenceproxy is
-// shutting down) now if it is idle between transactions, or at its next
-// idle point.
-func (sess *session) closeWhenIdle(why *fence.Error) {
-	if why != nil {
-		sess.closeReason.Store(why)
-	}
 	sess.shuttingDown.Store(true)
 	sess.mu.Lock()
-	idle := sess.outstanding == 0 && sess.queue.len() == 0 && sess.status == 'I'
+	idle := sess.outstanding == 0 && sess.status == 'I'
 	sess.mu.Unlock()
 	if idle {
-		sess.closeForShutdown()
+		sess.end(sess.shutdownError())
 	}
 }
 
-func (sess *session) closeForShutdown() {
-	resp := &pgproto3.ErrorResponse{Severity: wire.SeverityFatal, Code: wire.CodeAdminShutdown,
+func (sess *session) shutdownError() *pgproto3.ErrorResponse {
+	return &pgproto3.ErrorResponse{Severity: wire.SeverityFatal, Code: wire.CodeAdminShutdown,
 		Message: "terminating connection because fenceproxy is shutting down"}
-	if why := sess.closeReason.Load(); why != nil {
-		resp = why.Response(wire.SeverityFatal)
-	}
-	sess.cwMu.Lock()
-	if sess.cw != nil {
-		sess.client.SetWriteDeadline(time.Now().Add(time.Second))        //nolint:errcheck
-		wire.WriteMessage(sess.cw, 'E', wire.AppendError(nil, resp)[5:]) //nolint:errcheck
-		sess.cw.Flush()                                                  //nolint:errcheck
-	}
-	sess.cwMu.Unlock()
-	// Half-close first so that the client reads the FATAL before it sees the end.
-	if cw, ok := sess.client.(interface{ CloseWrite() error }); ok {
-		cw.CloseWrite() //nolint:errcheck
-	}
-	if sc := sess.serverConn(); sc != nil {
-		sc.Close()
-	}
-	sess.client.Close()
 }

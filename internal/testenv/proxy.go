@@ -17,6 +17,24 @@ import (
 	"github.com/fenceproxy/fenceproxy/internal/proxy"
 )
 
+// Key is the proxy key of every test: Migrate stores it, StartProxy uses it
+// unless the Config names another.
+var Key = fence.Key("fenceproxy test key, 32 bytes..")
+
+// Migrate installs the fence schema in the database at url (an owner's URL)
+// and stores Key there.
+func Migrate(tb testing.TB, url string) {
+	tb.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if _, err := fence.Migrate(ctx, url); err != nil {
+		tb.Fatalf("testenv: migrate: %v", err)
+	}
+	if err := fence.SetKey(ctx, url, Key); err != nil {
+		tb.Fatalf("testenv: %v", err)
+	}
+}
+
 // Proxy is an in-process fenceproxy in front of a test cluster.
 type Proxy struct {
 	Host     string
@@ -56,6 +74,9 @@ func StartProxy(tb testing.TB, pg *Postgres, cfg proxy.Config, opts ...ProxyOpti
 		tb.Fatalf("testenv: proxy listen: %v", err)
 	}
 	cfg.Listen = ln.Addr().String()
+	if cfg.KeyFile == "" && cfg.Key == nil {
+		cfg.Key = Key
+	}
 	if o.Logger == nil {
 		o.Logger = zaptest.NewLogger(tb, zaptest.Level(zap.WarnLevel))
 	}

@@ -1,0 +1,448 @@
+-- Version 4 of the fence schema: fencing by binding sessions (mechanism v2).
+--
+-- Versions 1-3 injected a check before every commit point of a fenced session; their safety
+-- rested on the proxy predicting, message by message, where PostgreSQL would commit, and a dozen
+-- ordinary message sequences proved the prediction wrong. This version takes the proxy's
+-- understanding of SQL and of the protocol out of the guarantee:
+--
+--   bind(R, t)   at session start, before the client can send anything, the proxy binds the
+--                session's backend to (R, t) in fence.bindings, keyed by (pid, backend_start)
+--                so that a reused pid is never confused with the backend that had it before.
+--                The first bind of a backend wins; a token lower than the stored one is refused.
+--   raise(R, t') stores t', ends every live backend bound to R with a lower token
+--                (pg_terminate_backend), waits until each one has exited, and only then
+--                commits. If one does not exit within the bound, the raise fails and nothing
+--                is raised.
+--
+-- The guarantee, for every resource R: once a token t' for R has been admitted (its raise
+-- committed), no transaction that runs under a token t < t' commits afterwards. The proof
+-- obligations, each discharged by the code marked with its number below:
+--
+--  (P1) Binds and raises of one resource serialize. Both lock R's row of fence.tokens: a bind
+--       FOR SHARE (binds do not wait for each other), a raise FOR UPDATE (it waits for every
+--       bind in flight and every bind waits for it). Under READ COMMITTED a bind that waited
+--       reads the token the raise stored; fence.bind refuses any other isolation level, and
+--       so does every raise (fence.end_stale: fence.reset's too, which has no fence.verify).
+--  (P2) No backend bound to a lower token survives the raise. The raise holds R's row FOR UPDATE
+--       from before it lists the bound backends until it commits, so by (P1) no bind of a
+--       lower token can commit in between: the list it reads (a fresh snapshot, after the lock)
+--       is complete. It signals each, then polls pg_stat_activity (pg_stat_clear_snapshot:
+--       the activity view is a per-transaction snapshot otherwise) until none of them is
+--       listed. A backend leaves pg_stat_activity in its exit callbacks, after it has aborted
+--       its transaction: it can commit nothing after that, and it cannot be bound again.
+--  (P3) No later session is admitted with a lower token: bind refuses t < stored after (P1).
+--  (P4) Prepared transactions outlive their backend: a transaction a stale session prepared
+--       could be committed by anyone after the raise. The raise refuses (ZF011, naming them)
+--       while this database holds any prepared transaction, checked after (P2), when no stale
+--       backend can prepare one any more. (max_prepared_transactions is 0 by default.)
+--  (P5) Only the proxy admits a higher token. fence.bind and fence.raise need a proof: a MAC of
+--       what they do ("bind" or "raise", the database, the resource, the token and the calling
+--       backend's pid) under the proxy key in fence.keys, which only this schema's owner can
+--       read. A client that sees a proof (pg_stat_activity shows a running call to roles that
+--       may see it) can only replay it from a backend with the same pid, to admit a token that
+--       was admitted already. A backend is bound once (first bind wins), so a fenced session
+--       cannot re-bind itself to another token or resource either. fence.reset stays the
+--       operator's tool (not granted to PUBLIC), and ends lower-bound backends when it raises.
+--  (P6) Nothing a client runs can undo a binding: fence.bindings and fence.tokens are written
+--       only by these SECURITY DEFINER functions (no privilege on them is granted), whose
+--       search_path is pinned and whose every name is schema-qualified.
+--
+-- What the owner role needs: pg_signal_backend (to end other roles' backends) and
+-- pg_read_all_stats (backend_start of other roles' backends reads NULL without it); a
+-- superuser application role's backends can be signalled only by a superuser owner. A raise
+-- that cannot signal a bound backend fails (nothing is raised) with the permission error.
+--
+-- Version-1 objects this design does not need are dropped: the commit-time checks
+-- (fence.check, fence.check_readonly and their error paths), the token mirror (the trigger and
+-- the fence_token sequences) and the unproven fence.raise(text, bigint).
+--
+-- Upgrade from version 3 with sessions live: the migration waits for transactions that hold a
+-- lock on a fence_token sequence (version-3 checks that ran); proxies of version 3 fail closed
+-- afterwards (their check and raise no longer exist, so their commits and new sessions fail).
+-- Stop them, migrate, start proxies of this version.
+
+-- +goose Up
+
+DROP TRIGGER IF EXISTS tokens_mirror ON fence.tokens;
+DROP TRIGGER IF EXISTS tokens_mirror_truncate ON fence.tokens;
+DROP FUNCTION IF EXISTS fence.mirror_token();
+DROP SCHEMA IF EXISTS fence_token CASCADE;
+DROP FUNCTION IF EXISTS fence.check(text, bigint);
+DROP FUNCTION IF EXISTS fence.check_readonly();
+DROP FUNCTION IF EXISTS fence.reject(text, bigint);
+DROP FUNCTION IF EXISTS fence.reject_write();
+DROP FUNCTION IF EXISTS fence.raise(text, bigint);
+
+-- The proxy key (P5): one row, set by `fenceproxy migrate --key-file` (fence.Migrate's
+-- SetKey), read by nobody but the owner.
+CREATE TABLE fence.keys (
+    id         smallint    NOT NULL DEFAULT 1,
+    key        bytea       NOT NULL,
+    updated_at timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT keys_pkey PRIMARY KEY (id),
+    CONSTRAINT keys_one_row CHECK (id = 1),
+    CONSTRAINT keys_long_enough CHECK (octet_length(key) >= 16)
+);
+COMMENT ON TABLE fence.keys IS
+    'fenceproxy: the proxy key that proves a bind or raise came from fenceproxy; readable by the owner only';
+REVOKE ALL ON TABLE fence.keys FROM PUBLIC;
+
+-- One row per bound backend. Rows of backends that have exited stay until their pid is bound
+-- again or the next raise of their resource removes them; a row matches a live backend only
+-- with its backend_start, so a leftover never stands for another backend.
+CREATE TABLE fence.bindings (
+    pid           integer          NOT NULL,
+    backend_start timestamptz      NOT NULL,
+    resource      text COLLATE "C" NOT NULL,
+    token         bigint           NOT NULL,
+    bound_at      timestamptz      NOT NULL DEFAULT now(),
+    CONSTRAINT bindings_pkey PRIMARY KEY (pid, backend_start),
+    CONSTRAINT bindings_token_positive CHECK (token > 0)
+);
+CREATE INDEX bindings_resource_token ON fence.bindings (resource, token);
+COMMENT ON TABLE fence.bindings IS
+    'fenceproxy: backends bound to a fencing token (written only through fence.bind, fence.raise and fence.reset)';
+REVOKE ALL ON TABLE fence.bindings FROM PUBLIC;
+GRANT SELECT ON TABLE fence.bindings TO PUBLIC;
+
+-- fence.proof(kind, resource, token, pid): the MAC the proxy computes with its key (P5):
+-- hex(sha256(key || sha256(key || message))), message = kind, database, resource, token and pid
+-- joined by newlines. The nested hash is the NMAC construction (no length extension: the
+-- outer hash covers a fixed-length inner digest); built-in sha256, no pgcrypto needed. NULL
+-- when no key is stored. Not granted to PUBLIC.
+-- +goose StatementBegin
+CREATE FUNCTION fence.proof(kind text, resource text, token bigint, pid integer)
+RETURNS text
+LANGUAGE sql
+STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+SELECT pg_catalog.encode(pg_catalog.sha256(k.key || pg_catalog.sha256(k.key || pg_catalog.convert_to(
+           kind || E'\n' || pg_catalog.current_database() || E'\n' || resource || E'\n' || token::text || E'\n' || pid::text,
+           'UTF8'))), 'hex')
+FROM fence.keys AS k
+WHERE k.id = 1
+$fn$;
+-- +goose StatementEnd
+REVOKE ALL ON FUNCTION fence.proof(text, text, bigint, integer) FROM PUBLIC;
+
+-- fence.verify(kind, resource, token, proof): validates the arguments and the proof of the
+-- calling backend, or raises ZF004 (malformed), ZF007 (no key stored) or ZF010 (wrong proof).
+-- +goose StatementBegin
+CREATE FUNCTION fence.verify(kind text, resource text, token bigint, proof text)
+RETURNS void
+LANGUAGE plpgsql
+STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    p_kind     ALIAS FOR $1;
+    p_resource ALIAS FOR $2;
+    p_token    ALIAS FOR $3;
+    p_proof    ALIAS FOR $4;
+    expected   text;
+BEGIN
+    IF p_token IS NULL OR p_token <= 0 THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'ZF004',
+            MESSAGE = format('malformed fencing token: %s (a fencing token is an integer greater than 0)',
+                             coalesce(p_token::text, 'NULL'));
+    END IF;
+    IF p_resource IS NULL OR p_resource !~ '^[a-z][a-z0-9_.-]{0,62}$' THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'ZF004',
+            MESSAGE = format('malformed fencing resource name: %s', quote_nullable(p_resource)),
+            HINT = 'A resource name is 1 to 63 characters of a-z, 0-9, "_", "." and "-", starting with a letter.';
+    END IF;
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        -- (P1) needs a fresh snapshot per statement after each lock.
+        RAISE EXCEPTION USING
+            ERRCODE = 'ZF007',
+            MESSAGE = format('fencing unavailable: fence.%s must run under READ COMMITTED, not %s',
+                             p_kind, current_setting('transaction_isolation'));
+    END IF;
+    expected := fence.proof(p_kind, p_resource, p_token, pg_backend_pid());
+    IF expected IS NULL THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'ZF007',
+            MESSAGE = 'fencing unavailable: no proxy key is stored in this database',
+            HINT = 'Run fenceproxy migrate --key-file with the key file the proxies use (--key-file).';
+    END IF;
+    IF p_proof IS NULL OR p_proof <> expected THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'ZF010',
+            MESSAGE = format('fencing proof invalid: fence.%s(%L, %s) was not called by fenceproxy with this database''s proxy key',
+                             p_kind, p_resource, p_token),
+            HINT = 'Only fenceproxy binds sessions and raises tokens. If this is a proxy, its --key-file does not match the key stored by fenceproxy migrate --key-file.';
+    END IF;
+END
+$fn$;
+-- +goose StatementEnd
+REVOKE ALL ON FUNCTION fence.verify(text, text, bigint, text) FROM PUBLIC;
+
+-- fence.end_stale(resource, token, timeout): (P2) and (P4) for a raise of resource to token.
+-- The caller holds resource's row of fence.tokens FOR UPDATE. Ends every live backend bound
+-- to a lower token, waits until each one has exited (at most timeout), removes the bindings
+-- of the resource's exited backends, and refuses while prepared transactions exist. Returns
+-- how many backends it ended. Not granted to PUBLIC.
+-- +goose StatementBegin
+CREATE FUNCTION fence.end_stale(resource text, token bigint, timeout interval)
+RETURNS integer
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    p_resource ALIAS FOR $1;
+    p_token    ALIAS FOR $2;
+    p_timeout  ALIAS FOR $3;
+    victims    integer[];
+    alive      integer[];
+    deadline   timestamptz := clock_timestamp() + p_timeout;
+    prepared   text;
+BEGIN
+    -- (P1, P2) Only READ COMMITTED reads fence.bindings with a snapshot taken after the lock:
+    -- under REPEATABLE READ the list would miss the bindings committed since the transaction's
+    -- snapshot (fence.reset does not pass through fence.verify).
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'ZF007',
+            MESSAGE = format('fencing unavailable: a raise of resource "%s" must run under READ COMMITTED, not %s',
+                             p_resource, current_setting('transaction_isolation'));
+    END IF;
+    -- (P2) The list: a fresh snapshot taken after the caller's FOR UPDATE lock.
+    PERFORM pg_stat_clear_snapshot();
+    SELECT array_agg(b.pid ORDER BY b.pid) INTO victims
+    FROM fence.bindings AS b
+    JOIN pg_stat_get_activity(NULL) AS a ON a.pid = b.pid AND a.backend_start = b.backend_start
+    WHERE b.resource = p_resource AND b.token < p_token;
+
+    IF victims IS NOT NULL THEN
+        -- Signal all first, then poll: ending 100 backends takes the time of the slowest, not
+        -- the sum. pg_terminate_backend raises an error when the owner may not signal one:
+        -- the raise then fails, nothing raised.
+        PERFORM pg_terminate_backend(v) FROM unnest(victims) AS v;
+        LOOP
+            PERFORM pg_stat_clear_snapshot();
+            SELECT array_agg(b.pid ORDER BY b.pid) INTO alive
+            FROM fence.bindings AS b
+            JOIN pg_stat_get_activity(NULL) AS a ON a.pid = b.pid AND a.backend_start = b.backend_start
+            WHERE b.resource = p_resource AND b.token < p_token;
+            EXIT WHEN alive IS NULL;
+            IF clock_timestamp() > deadline THEN
+                RAISE EXCEPTION USING
+                    ERRCODE = 'ZF011',
+                    MESSAGE = format('fencing raise failed: resource "%s" was not raised to token %s because backends bound to a lower token did not exit within %s: pids %s',
+                                     p_resource, p_token, p_timeout, array_to_string(alive, ', ')),
+                    DETAIL = 'Nothing was raised; the stale sessions were signalled to terminate.',
+                    HINT = 'Find out why those backends do not exit (pg_stat_activity), end them, and retry.';
+            END IF;
+            PERFORM pg_sleep(0.001);
+        END LOOP;
+    END IF;
+
+    -- Every backend bound to R that is not alive any more, lower token or not, leaves.
+    PERFORM pg_stat_clear_snapshot();
+    DELETE FROM fence.bindings AS b
+    WHERE b.resource = p_resource
+      AND NOT EXISTS (SELECT 1 FROM pg_stat_get_activity(b.pid) AS a WHERE a.backend_start = b.backend_start);
+
+    -- (P4) After (P2): no stale backend is left to prepare a transaction.
+    SELECT string_agg(format('%L (owner %s, prepared %s)', p.gid, p.owner, p.prepared), ', ' ORDER BY p.prepared)
+    INTO prepared
+    FROM pg_prepared_xacts AS p
+    WHERE p.database = current_database();
+    IF prepared IS NOT NULL THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'ZF011',
+            MESSAGE = format('fencing raise failed: resource "%s" was not raised to token %s because prepared transactions exist in this database: %s',
+                             p_resource, p_token, prepared),
+            DETAIL = 'A prepared transaction outlives the session that prepared it, so a stale leader''s could commit after the raise.',
+            HINT = 'Resolve them with COMMIT PREPARED or ROLLBACK PREPARED (pg_prepared_xacts), then retry; fenced databases should not use two-phase commit.';
+    END IF;
+    RETURN coalesce(cardinality(victims), 0);
+END
+$fn$;
+-- +goose StatementEnd
+REVOKE ALL ON FUNCTION fence.end_stale(text, bigint, interval) FROM PUBLIC;
+
+-- fence.raise_locked(resource, token): the raise. Locks resource's row FOR UPDATE (P1),
+-- creating it when missing, and when token is higher than the stored one ends the stale
+-- backends (P2, P4), stores it and notifies 'fence_raise' with '<resource> <token>' (NOTIFY is
+-- transactional: listeners hear of the raise when it commits). Returns the token stored
+-- afterwards. Not granted to PUBLIC.
+-- +goose StatementBegin
+CREATE FUNCTION fence.raise_locked(resource text, token bigint)
+RETURNS bigint
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    p_resource ALIAS FOR $1;
+    p_token    ALIAS FOR $2;
+    stored     bigint;
+BEGIN
+    INSERT INTO fence.tokens AS t (resource, token) VALUES (p_resource, 0)
+    ON CONFLICT ON CONSTRAINT tokens_pkey DO NOTHING;
+    SELECT t.token INTO STRICT stored FROM fence.tokens AS t WHERE t.resource = p_resource FOR UPDATE;
+    IF stored >= p_token THEN
+        RETURN stored;
+    END IF;
+    PERFORM fence.end_stale(p_resource, p_token, interval '5 seconds');
+    UPDATE fence.tokens AS t SET token = p_token, updated_at = now() WHERE t.resource = p_resource;
+    PERFORM pg_notify('fence_raise', p_resource || ' ' || p_token);
+    RETURN p_token;
+END
+$fn$;
+-- +goose StatementEnd
+REVOKE ALL ON FUNCTION fence.raise_locked(text, bigint) FROM PUBLIC;
+
+-- fence.bind(resource, token, proof): binds the calling backend to (resource, token), raising
+-- the stored token first when token is higher (ending the backends bound to lower ones).
+-- Returns the stored token. Refuses (and so binds nothing) with ZF001 when a higher token is
+-- stored (P3), ZF008 when this backend is bound already, ZF010 without the proxy's proof (P5).
+-- The proxy calls it on the session's own connection, in its own READ COMMITTED transaction,
+-- before the client sees ReadyForQuery.
+-- +goose StatementBegin
+CREATE FUNCTION fence.bind(resource text, token bigint, proof text)
+RETURNS bigint
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    p_resource ALIAS FOR $1;
+    p_token    ALIAS FOR $2;
+    p_proof    ALIAS FOR $3;
+    me         integer := pg_backend_pid();
+    started    timestamptz;
+    stored     bigint;
+    bound      fence.bindings%ROWTYPE;
+BEGIN
+    PERFORM fence.verify('bind', p_resource, p_token, p_proof);
+    SELECT a.backend_start INTO STRICT started FROM pg_stat_get_activity(me) AS a;
+
+    SELECT * INTO bound FROM fence.bindings AS b WHERE b.pid = me AND b.backend_start = started;
+    IF FOUND THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'ZF008',
+            MESSAGE = format('not allowed in a fenced session: this session is bound to resource "%s" token %s already; a session is bound once',
+                             bound.resource, bound.token),
+            HINT = 'Reconnect with the new token.';
+    END IF;
+
+    SELECT t.token INTO stored FROM fence.tokens AS t WHERE t.resource = p_resource;
+    IF stored IS NULL OR stored < p_token THEN
+        stored := fence.raise_locked(p_resource, p_token); -- (P1) FOR UPDATE
+    ELSE
+        -- (P1) FOR SHARE: waits for a raise in flight, then reads its token.
+        SELECT t.token INTO STRICT stored FROM fence.tokens AS t WHERE t.resource = p_resource FOR SHARE;
+        IF stored < p_token THEN
+            -- Lowered by fence.reset since the first read: raise after all.
+            stored := fence.raise_locked(p_resource, p_token);
+        END IF;
+    END IF;
+    IF stored > p_token THEN -- (P3)
+        RAISE EXCEPTION USING
+            ERRCODE = 'ZF001',
+            MESSAGE = format('stale fencing token: resource "%s" token %s is lower than the highest admitted token %s',
+                             p_resource, p_token, stored),
+            HINT = format('This process is no longer the leader for "%s": stop writing, acquire the lock again to get a new fencing token, and reconnect with it.',
+                          p_resource);
+    END IF;
+
+    -- Rows of an earlier backend with this pid: it has exited (pids are unique among live
+    -- backends).
+    DELETE FROM fence.bindings AS b WHERE b.pid = me;
+    INSERT INTO fence.bindings (pid, backend_start, resource, token) VALUES (me, started, p_resource, p_token);
+    RETURN stored;
+END
+$fn$;
+-- +goose StatementEnd
+
+COMMENT ON FUNCTION fence.bind(text, bigint, text) IS
+    'fenceproxy: bind this backend to (resource, token), raising the token first when it is higher; needs the proxy''s proof';
+
+-- fence.raise(resource, token, proof): the raise on its own (the proxy's proactive raise when
+-- Consul shows a new holder, on the proxy's control connection). Returns the stored token.
+-- +goose StatementBegin
+CREATE FUNCTION fence.raise(resource text, token bigint, proof text)
+RETURNS bigint
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    PERFORM fence.verify('raise', $1, $2, $3);
+    RETURN fence.raise_locked($1, $2);
+END
+$fn$;
+-- +goose StatementEnd
+
+COMMENT ON FUNCTION fence.raise(text, bigint, text) IS
+    'fenceproxy: admit a fencing token, ending the backends bound to lower ones; needs the proxy''s proof; returns the stored token';
+
+-- fence.reset(resource, token): the operator's tool (not granted to PUBLIC). Stores exactly
+-- token, lower or not, and returns the token stored before (NULL if none). Raising through it
+-- ends the lower-bound backends like a raise (P2); lowering it ends nobody and re-admits old
+-- tokens: do it only once no holder of the higher one can still be running. Notifies
+-- 'fence_raise' with '<resource> <token> reset'.
+-- +goose StatementBegin
+CREATE OR REPLACE FUNCTION fence.reset(resource text, token bigint)
+RETURNS bigint
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    p_resource ALIAS FOR $1;
+    p_token    ALIAS FOR $2;
+    previous   bigint;
+    created    boolean;
+BEGIN
+    IF p_token IS NULL OR p_token < 0 THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'ZF004',
+            MESSAGE = format('malformed fencing token: %s (fence.reset takes an integer of 0 or more)',
+                             coalesce(p_token::text, 'NULL'));
+    END IF;
+    IF p_resource IS NULL OR p_resource !~ '^[a-z][a-z0-9_.-]{0,62}$' THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'ZF004',
+            MESSAGE = format('malformed fencing resource name: %s', quote_nullable(p_resource));
+    END IF;
+    INSERT INTO fence.tokens AS t (resource, token) VALUES (p_resource, 0)
+    ON CONFLICT ON CONSTRAINT tokens_pkey DO NOTHING;
+    created := FOUND;
+    SELECT t.token INTO STRICT previous FROM fence.tokens AS t WHERE t.resource = p_resource FOR UPDATE;
+    IF p_token > previous THEN
+        PERFORM fence.end_stale(p_resource, p_token, interval '5 seconds');
+    END IF;
+    UPDATE fence.tokens AS t SET token = p_token, updated_at = now() WHERE t.resource = p_resource;
+    PERFORM pg_notify('fence_raise', p_resource || ' ' || p_token || ' reset');
+    RETURN CASE WHEN created THEN NULL ELSE previous END; -- NULL: no token was stored
+END
+$fn$;
+-- +goose StatementEnd
+
+-- Privileges (P5, P6): clients may call bind and raise (which need the proof) and read the
+-- tokens and bindings; nothing else.
+REVOKE ALL ON FUNCTION fence.bind(text, bigint, text), fence.raise(text, bigint, text),
+    fence.reset(text, bigint) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION fence.bind(text, bigint, text), fence.raise(text, bigint, text) TO PUBLIC;
+
+-- +goose Down
+
+-- Not reversible: version 3's commit-time check is the mechanism this version replaces
+-- because it could be broken. Restore a backup taken before the upgrade instead.
+-- +goose StatementBegin
+DO $$ BEGIN RAISE EXCEPTION 'fence schema version 4 cannot be migrated down'; END $$;
+-- +goose StatementEnd
