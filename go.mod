@@ -6,7 +6,6 @@ require (
 	github.com/alecthomas/kong v1.17.0
 	github.com/hashicorp/consul/api v1.34.5
 	github.com/jackc/pgx/v5 v5.12.0
-	github.com/pganalyze/pg_query_go/v6 v6.2.5
 	github.com/pressly/goose/v3 v3.30.0
 	github.com/prometheus/client_golang v1.25.0
 	github.com/prometheus/client_model v0.6.3

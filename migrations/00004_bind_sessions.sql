@@ -89,8 +89,11 @@ REVOKE ALL ON TABLE fence.keys FROM PUBLIC;
 
 -- One row per bound backend. Rows of backends that have exited stay until their pid is bound
 -- again or the next raise of their resource removes them; a row matches a live backend only
--- with its backend_start, so a leftover never stands for another backend.
-CREATE TABLE fence.bindings (
+-- with its backend_start, so a leftover never stands for another backend. UNLOGGED: a binding
+-- means something only while its backend lives, and no backend outlives a crash (which
+-- empties unlogged tables) or a failover (a promoted standby has no backends of the old
+-- primary); so binds write no WAL for it.
+CREATE UNLOGGED TABLE fence.bindings (
     pid           integer          NOT NULL,
     backend_start timestamptz      NOT NULL,
     resource      text COLLATE "C" NOT NULL,
@@ -105,11 +108,31 @@ COMMENT ON TABLE fence.bindings IS
 REVOKE ALL ON TABLE fence.bindings FROM PUBLIC;
 GRANT SELECT ON TABLE fence.bindings TO PUBLIC;
 
--- fence.proof(kind, resource, token, pid): the MAC the proxy computes with its key (P5):
+-- fence.mac(key, kind, resource, token, pid): the MAC the proxy computes with its key (P5):
 -- hex(sha256(key || sha256(key || message))), message = kind, database, resource, token and pid
--- joined by newlines. The nested hash is the NMAC construction (no length extension: the
--- outer hash covers a fixed-length inner digest); built-in sha256, no pgcrypto needed. NULL
--- when no key is stored. Not granted to PUBLIC.
+-- joined by newlines, as bytes in the database's encoding (the bytes of the database name that
+-- the proxy saw in the startup message). The nested hash is the NMAC construction (no length
+-- extension: the outer hash covers a fixed-length inner digest); built-in sha256, no pgcrypto.
+-- A plain SQL expression, so that fence.bind's query inlines it; operators schema-qualified,
+-- since an inlined body is resolved with the caller's search_path.
+-- +goose StatementBegin
+CREATE FUNCTION fence.mac(key bytea, kind text, resource text, token bigint, pid integer)
+RETURNS text
+LANGUAGE sql
+STABLE
+PARALLEL SAFE
+AS $fn$
+SELECT pg_catalog.encode(pg_catalog.sha256(key OPERATOR(pg_catalog.||) pg_catalog.sha256(key OPERATOR(pg_catalog.||)
+    pg_catalog.convert_to(kind OPERATOR(pg_catalog.||) E'\n' OPERATOR(pg_catalog.||) pg_catalog.current_database()::pg_catalog.text
+        OPERATOR(pg_catalog.||) E'\n' OPERATOR(pg_catalog.||) resource OPERATOR(pg_catalog.||) E'\n'
+        OPERATOR(pg_catalog.||) token::pg_catalog.text OPERATOR(pg_catalog.||) E'\n' OPERATOR(pg_catalog.||) pid::pg_catalog.text,
+        pg_catalog.getdatabaseencoding()))), 'hex')
+$fn$;
+-- +goose StatementEnd
+REVOKE ALL ON FUNCTION fence.mac(bytea, text, text, bigint, integer) FROM PUBLIC;
+
+-- fence.proof(kind, resource, token, pid): fence.mac under the stored key; NULL when no key is
+-- stored. Not granted to PUBLIC.
 -- +goose StatementBegin
 CREATE FUNCTION fence.proof(kind text, resource text, token bigint, pid integer)
 RETURNS text
@@ -118,11 +141,7 @@ STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $fn$
-SELECT pg_catalog.encode(pg_catalog.sha256(k.key || pg_catalog.sha256(k.key || pg_catalog.convert_to(
-           kind || E'\n' || pg_catalog.current_database() || E'\n' || resource || E'\n' || token::text || E'\n' || pid::text,
-           'UTF8'))), 'hex')
-FROM fence.keys AS k
-WHERE k.id = 1
+SELECT fence.mac(k.key, kind, resource, token, pid) FROM fence.keys AS k WHERE k.id = 1
 $fn$;
 -- +goose StatementEnd
 REVOKE ALL ON FUNCTION fence.proof(text, text, bigint, integer) FROM PUBLIC;
@@ -213,11 +232,14 @@ BEGIN
             MESSAGE = format('fencing unavailable: a raise of resource "%s" must run under READ COMMITTED, not %s',
                              p_resource, current_setting('transaction_isolation'));
     END IF;
-    -- (P2) The list: a fresh snapshot taken after the caller's FOR UPDATE lock.
+    -- (P2) The list: a fresh snapshot taken after the caller's FOR UPDATE lock. A live backend
+    -- with a bound pid whose backend_start reads NULL (the owner lost pg_read_all_stats since
+    -- the bind, which needed it) counts as bound: fail closed, never skip a stale backend.
     PERFORM pg_stat_clear_snapshot();
     SELECT array_agg(b.pid ORDER BY b.pid) INTO victims
     FROM fence.bindings AS b
-    JOIN pg_stat_get_activity(NULL) AS a ON a.pid = b.pid AND a.backend_start = b.backend_start
+    JOIN pg_stat_get_activity(NULL) AS a ON a.pid = b.pid
+        AND (a.backend_start = b.backend_start OR a.backend_start IS NULL)
     WHERE b.resource = p_resource AND b.token < p_token;
 
     IF victims IS NOT NULL THEN
@@ -229,7 +251,8 @@ BEGIN
             PERFORM pg_stat_clear_snapshot();
             SELECT array_agg(b.pid ORDER BY b.pid) INTO alive
             FROM fence.bindings AS b
-            JOIN pg_stat_get_activity(NULL) AS a ON a.pid = b.pid AND a.backend_start = b.backend_start
+            JOIN pg_stat_get_activity(NULL) AS a ON a.pid = b.pid
+                AND (a.backend_start = b.backend_start OR a.backend_start IS NULL)
             WHERE b.resource = p_resource AND b.token < p_token;
             EXIT WHEN alive IS NULL;
             IF clock_timestamp() > deadline THEN
@@ -248,7 +271,8 @@ BEGIN
     PERFORM pg_stat_clear_snapshot();
     DELETE FROM fence.bindings AS b
     WHERE b.resource = p_resource
-      AND NOT EXISTS (SELECT 1 FROM pg_stat_get_activity(b.pid) AS a WHERE a.backend_start = b.backend_start);
+      AND NOT EXISTS (SELECT 1 FROM pg_stat_get_activity(b.pid) AS a
+                      WHERE a.backend_start = b.backend_start OR a.backend_start IS NULL);
 
     -- (P4) After (P2): no stale backend is left to prepare a transaction.
     SELECT string_agg(format('%L (owner %s, prepared %s)', p.gid, p.owner, p.prepared), ', ' ORDER BY p.prepared)
@@ -321,23 +345,37 @@ DECLARE
     p_token    ALIAS FOR $2;
     p_proof    ALIAS FOR $3;
     me         integer := pg_backend_pid();
+    expected   text;
     started    timestamptz;
     stored     bigint;
-    bound      fence.bindings%ROWTYPE;
+    bound      text;
 BEGIN
-    PERFORM fence.verify('bind', p_resource, p_token, p_proof);
-    SELECT a.backend_start INTO STRICT started FROM pg_stat_get_activity(me) AS a;
-
-    SELECT * INTO bound FROM fence.bindings AS b WHERE b.pid = me AND b.backend_start = started;
-    IF FOUND THEN
+    -- One statement for what the common case needs: the expected proof, this backend's
+    -- start, the stored token (unlocked: it only chooses the lock below) and this backend's
+    -- binding, if any. Every session start runs this, so it is kept to few statements.
+    SELECT fence.mac(k.key, 'bind', p_resource, p_token, me), a.backend_start,
+           (SELECT t.token FROM fence.tokens AS t WHERE t.resource = p_resource),
+           (SELECT pg_catalog.format('resource "%s" token %s', b.resource, b.token)
+            FROM fence.bindings AS b WHERE b.pid = me AND b.backend_start = a.backend_start)
+    INTO expected, started, stored, bound
+    FROM pg_stat_get_activity(me) AS a LEFT JOIN fence.keys AS k ON k.id = 1;
+    IF expected IS NULL OR p_proof IS DISTINCT FROM expected OR started IS NULL
+       OR p_token IS NULL OR p_token <= 0 OR p_resource IS NULL OR p_resource !~ '^[a-z][a-z0-9_.-]{0,62}$'
+       OR current_setting('transaction_isolation') <> 'read committed' THEN
+        -- (P5) Raises the error that applies (malformed, isolation, no key, wrong proof).
+        PERFORM fence.verify('bind', p_resource, p_token, p_proof);
+        RAISE EXCEPTION USING
+            ERRCODE = 'ZF007',
+            MESSAGE = 'fencing unavailable: the bind cannot read this backend''s backend_start',
+            HINT = 'The fence schema''s owner needs pg_read_all_stats (README: Privileges).';
+    END IF;
+    IF bound IS NOT NULL THEN
         RAISE EXCEPTION USING
             ERRCODE = 'ZF008',
-            MESSAGE = format('not allowed in a fenced session: this session is bound to resource "%s" token %s already; a session is bound once',
-                             bound.resource, bound.token),
+            MESSAGE = format('not allowed in a fenced session: this session is bound to %s already; a session is bound once', bound),
             HINT = 'Reconnect with the new token.';
     END IF;
 
-    SELECT t.token INTO stored FROM fence.tokens AS t WHERE t.resource = p_resource;
     IF stored IS NULL OR stored < p_token THEN
         stored := fence.raise_locked(p_resource, p_token); -- (P1) FOR UPDATE
     ELSE
@@ -346,6 +384,11 @@ BEGIN
         IF stored < p_token THEN
             -- Lowered by fence.reset since the first read: raise after all.
             stored := fence.raise_locked(p_resource, p_token);
+        ELSE
+            -- Nothing durable changes (the binding is unlogged, the row lock matters only
+            -- until commit): no need to wait for the WAL flush. A raise, which stores a
+            -- token, keeps synchronous_commit as the session has it.
+            PERFORM set_config('synchronous_commit', 'off', true);
         END IF;
     END IF;
     IF stored > p_token THEN -- (P3)
@@ -357,9 +400,9 @@ BEGIN
                           p_resource);
     END IF;
 
-    -- Rows of an earlier backend with this pid: it has exited (pids are unique among live
+    -- Rows of an earlier backend with this pid go: it has exited (pids are unique among live
     -- backends).
-    DELETE FROM fence.bindings AS b WHERE b.pid = me;
+    WITH gone AS (DELETE FROM fence.bindings AS b WHERE b.pid = me)
     INSERT INTO fence.bindings (pid, backend_start, resource, token) VALUES (me, started, p_resource, p_token);
     RETURN stored;
 END

@@ -10,7 +10,7 @@ import (
 
 // FenceCmd groups operator tools on the stored tokens.
 type FenceCmd struct {
-	Show  FenceShowCmd  `cmd:"" help:"List the highest admitted token of every resource."`
+	Show  FenceShowCmd  `cmd:"" help:"List the highest admitted token of every resource, and the live sessions bound to each token."`
 	Reset FenceResetCmd `cmd:"" help:"Set a resource's stored token, even lower (the way out after a Consul LockIndex regression)."`
 }
 
@@ -40,6 +40,28 @@ func (f *FenceShowCmd) Run(ctx context.Context) error {
 			return err
 		}
 		fmt.Printf("%-32s %20d  %v\n", r, t, at)
+	}
+	if err := rows.Err(); err != nil {
+		return err
+	}
+	rows.Close()
+	// Live bound sessions per token: a raise ends those of lower tokens.
+	rows, err = conn.Query(ctx, `SELECT b.resource, b.token, count(*)
+		FROM fence.bindings AS b
+		JOIN pg_stat_activity AS a ON a.pid = b.pid AND a.backend_start = b.backend_start
+		GROUP BY 1, 2 ORDER BY 1, 2`)
+	if err != nil {
+		return err
+	}
+	defer rows.Close()
+	fmt.Printf("\n%-32s %20s  %s\n", "resource", "bound token", "live sessions")
+	for rows.Next() {
+		var r string
+		var t, n int64
+		if err := rows.Scan(&r, &t, &n); err != nil {
+			return err
+		}
+		fmt.Printf("%-32s %20d  %d\n", r, t, n)
 	}
 	return rows.Err()
 }

@@ -1,11 +1,10 @@
 // Package proxy is fenceproxy's server: it accepts clients, negotiates TLS,
-// relays authentication to PostgreSQL unchanged, and then relays messages in
-// both directions, one upstream connection per client, tracking the
-// transaction status from every ReadyForQuery.
+// relays authentication to PostgreSQL unchanged, binds each fenced session's
+// backend to its token (fence.bind) before the client sees ReadyForQuery,
+// and then relays messages in both directions, one upstream connection per
+// client, looking inside none of them to keep the guarantee: PostgreSQL ends
+// a stale backend at the raise (migrations/00004_bind_sessions.sql).
 //
-// In a fenced session it also injects fence.check at every commit point and
-// swallows the check's own results (see relay.go for the proof obligations),
-// and refuses, in order and through the server itself, statements that could
-// commit past the check. It asks internal/sqltx to split and classify SQL and
-// never parses SQL itself.
+// It must not parse SQL, predict what the server will do, or keep a received
+// message past the next read.
 package proxy

@@ -1,6 +1,8 @@
 package proxy
 
 import (
+	"time"
+
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -10,9 +12,9 @@ type Metrics struct {
 	Sessions      prometheus.Gauge
 	SessionsTotal *prometheus.CounterVec // by outcome: ok, refused, error
 	Rejections    *prometheus.CounterVec // by sqlstate
-	Checks        prometheus.Counter
-	CheckFailures prometheus.Counter
-	Cancels       prometheus.Counter
+	// BindSeconds is the time of fenced sessions' binds (raises included:
+	// a bind that raises waits for the stale backends to exit), by outcome.
+	BindSeconds *prometheus.HistogramVec
 }
 
 // NewMetrics creates the metrics and registers them with reg (if not nil).
@@ -24,15 +26,12 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "fenceproxy_sessions_total", Help: "Client connections by outcome of their startup."}, []string{"outcome"}),
 		Rejections: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "fenceproxy_rejections_total", Help: "Fencing rejections sent to clients, by SQLSTATE."}, []string{"sqlstate"}),
-		Checks: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "fenceproxy_checks_injected_total", Help: "Commit-time checks injected."}),
-		CheckFailures: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "fenceproxy_check_failures_total", Help: "Commit-time checks that rejected a transaction."}),
-		Cancels: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "fenceproxy_stale_cancels_total", Help: "In-flight queries cancelled because their session went stale."}),
+		BindSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "fenceproxy_bind_seconds", Help: "Time to bind a fenced session to its token at startup (a bind that raises includes ending the stale backends), by outcome: bound, refused.",
+			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 14)}, []string{"outcome"}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.Sessions, m.SessionsTotal, m.Rejections, m.Checks, m.CheckFailures, m.Cancels)
+		reg.MustRegister(m.Sessions, m.SessionsTotal, m.Rejections, m.BindSeconds)
 	}
 	return m
 }
@@ -49,22 +48,9 @@ func (m *Metrics) rejection(code string) {
 	}
 }
 
-// checks counts n injected checks.
-func (m *Metrics) checks(n int) {
-	if m != nil && n > 0 {
-		m.Checks.Add(float64(n))
-	}
-}
-
-func (m *Metrics) checkFailure() {
+func (m *Metrics) bind(outcome string, d time.Duration) {
 	if m != nil {
-		m.CheckFailures.Inc()
-	}
-}
-
-func (m *Metrics) cancel() {
-	if m != nil {
-		m.Cancels.Inc()
+		m.BindSeconds.WithLabelValues(outcome).Observe(d.Seconds())
 	}
 }
 

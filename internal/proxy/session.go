@@ -451,6 +451,7 @@ func (sess *session) bind() error {
 	// in the startup options): fence.bind refuses other isolation levels, and
 	// a read-only default would refuse the raise.
 	q = "BEGIN ISOLATION LEVEL READ COMMITTED READ WRITE; " + q + "; COMMIT"
+	started := time.Now()
 	if err := wire.WriteMessage(sess.sw, 'Q', append([]byte(q), 0)); err != nil {
 		return err
 	}
@@ -486,7 +487,13 @@ func (sess *session) bind() error {
 		case 'N', 'A':
 			// Notices of our own statement are not the client's business.
 		case 'Z':
-			return sess.bound(stored, serverErr)
+			err := sess.bound(stored, serverErr)
+			outcome := "bound"
+			if err != nil {
+				outcome = "refused"
+			}
+			sess.srv.metrics.bind(outcome, time.Since(started))
+			return err
 		}
 	}
 }
