@@ -34,18 +34,21 @@
 --  (P4) Prepared transactions outlive their backend: a transaction a stale session prepared
 --       could be committed by anyone after the raise. The raise refuses (ZF011, naming them)
 --       while this database holds any prepared transaction, checked after (P2), when no stale
---       backend can prepare one any more. (max_prepared_transactions is 0 by default.)
+--       backend can prepare one any more (and before it, so that a raise that would fail ends
+--       nobody). max_prepared_transactions is 0 by default.
 --  (P5) Only the proxy admits a higher token. fence.bind and fence.raise need a proof: a MAC of
 --       what they do ("bind" or "raise", the database, the resource, the token and the calling
 --       backend's pid) under the proxy key in fence.keys, which only this schema's owner can
---       read. A client that sees a proof (pg_stat_activity shows a running call to roles that
---       may see it) can only replay it from a backend with the same pid, to admit a token that
---       was admitted already. A backend is bound once (first bind wins), so a fenced session
+--       read. The proxy passes the proof as a parameter (extended protocol), so pg_stat_activity
+--       does not show it; a proof that leaked anyway could only be replayed from a backend with
+--       the same pid. A backend is bound once (first bind wins), so a fenced session
 --       cannot re-bind itself to another token or resource either. fence.reset stays the
 --       operator's tool (not granted to PUBLIC), and ends lower-bound backends when it raises.
 --  (P6) Nothing a client runs can undo a binding: fence.bindings and fence.tokens are written
 --       only by these SECURITY DEFINER functions (no privilege on them is granted), whose
 --       search_path is pinned and whose every name is schema-qualified.
+--  (P7) Admitted means durable: a raise commits with its WAL flushed even when the session
+--       turned synchronous_commit off, or a crash could undo an admission already acted on.
 --
 -- What the owner role needs: pg_signal_backend (to end other roles' backends) and
 -- pg_read_all_stats (backend_start of other roles' backends reads NULL without it); a
@@ -201,6 +204,36 @@ $fn$;
 -- +goose StatementEnd
 REVOKE ALL ON FUNCTION fence.verify(text, text, bigint, text) FROM PUBLIC;
 
+-- fence.refuse_prepared(resource, token): raises ZF011, naming them, while this database holds
+-- prepared transactions (P4). Not granted to PUBLIC.
+-- +goose StatementBegin
+CREATE FUNCTION fence.refuse_prepared(resource text, token bigint)
+RETURNS void
+LANGUAGE plpgsql
+STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    prepared text;
+BEGIN
+    SELECT string_agg(format('%L (owner %s, prepared %s)', p.gid, p.owner, p.prepared), ', ' ORDER BY p.prepared)
+    INTO prepared
+    FROM pg_prepared_xacts AS p
+    WHERE p.database = current_database();
+    IF prepared IS NOT NULL THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'ZF011',
+            MESSAGE = format('fencing raise failed: resource "%s" was not raised to token %s because prepared transactions exist in this database: %s',
+                             $1, $2, prepared),
+            DETAIL = 'A prepared transaction outlives the session that prepared it, so a stale leader''s could commit after the raise.',
+            HINT = 'Resolve them with COMMIT PREPARED or ROLLBACK PREPARED (pg_prepared_xacts), then retry; fenced databases should not use two-phase commit.';
+    END IF;
+END
+$fn$;
+-- +goose StatementEnd
+REVOKE ALL ON FUNCTION fence.refuse_prepared(text, bigint) FROM PUBLIC;
+
 -- fence.end_stale(resource, token, timeout): (P2) and (P4) for a raise of resource to token.
 -- The caller holds resource's row of fence.tokens FOR UPDATE. Ends every live backend bound
 -- to a lower token, waits until each one has exited (at most timeout), removes the bindings
@@ -221,7 +254,6 @@ DECLARE
     victims    integer[];
     alive      integer[];
     deadline   timestamptz := clock_timestamp() + p_timeout;
-    prepared   text;
 BEGIN
     -- (P1, P2) Only READ COMMITTED reads fence.bindings with a snapshot taken after the lock:
     -- under REPEATABLE READ the list would miss the bindings committed since the transaction's
@@ -243,6 +275,8 @@ BEGIN
     WHERE b.resource = p_resource AND b.token < p_token;
 
     IF victims IS NOT NULL THEN
+        -- (P4) first: refuse before ending anyone when the raise would fail anyway.
+        PERFORM fence.refuse_prepared(p_resource, p_token);
         -- Signal all first, then poll: ending 100 backends takes the time of the slowest, not
         -- the sum. pg_terminate_backend raises an error when the owner may not signal one:
         -- the raise then fails, nothing raised.
@@ -275,18 +309,7 @@ BEGIN
                       WHERE a.backend_start = b.backend_start OR a.backend_start IS NULL);
 
     -- (P4) After (P2): no stale backend is left to prepare a transaction.
-    SELECT string_agg(format('%L (owner %s, prepared %s)', p.gid, p.owner, p.prepared), ', ' ORDER BY p.prepared)
-    INTO prepared
-    FROM pg_prepared_xacts AS p
-    WHERE p.database = current_database();
-    IF prepared IS NOT NULL THEN
-        RAISE EXCEPTION USING
-            ERRCODE = 'ZF011',
-            MESSAGE = format('fencing raise failed: resource "%s" was not raised to token %s because prepared transactions exist in this database: %s',
-                             p_resource, p_token, prepared),
-            DETAIL = 'A prepared transaction outlives the session that prepared it, so a stale leader''s could commit after the raise.',
-            HINT = 'Resolve them with COMMIT PREPARED or ROLLBACK PREPARED (pg_prepared_xacts), then retry; fenced databases should not use two-phase commit.';
-    END IF;
+    PERFORM fence.refuse_prepared(p_resource, p_token);
     RETURN coalesce(cardinality(victims), 0);
 END
 $fn$;
@@ -320,6 +343,10 @@ BEGIN
     PERFORM fence.end_stale(p_resource, p_token, interval '5 seconds');
     UPDATE fence.tokens AS t SET token = p_token, updated_at = now() WHERE t.resource = p_resource;
     PERFORM pg_notify('fence_raise', p_resource || ' ' || p_token);
+    -- (P7) The session or its role may have turned synchronous_commit off.
+    IF current_setting('synchronous_commit') = 'off' THEN
+        PERFORM set_config('synchronous_commit', 'local', true);
+    END IF;
     RETURN p_token;
 END
 $fn$;
@@ -471,6 +498,9 @@ BEGIN
     END IF;
     UPDATE fence.tokens AS t SET token = p_token, updated_at = now() WHERE t.resource = p_resource;
     PERFORM pg_notify('fence_raise', p_resource || ' ' || p_token || ' reset');
+    IF current_setting('synchronous_commit') = 'off' THEN -- (P7)
+        PERFORM set_config('synchronous_commit', 'local', true);
+    END IF;
     RETURN CASE WHEN created THEN NULL ELSE previous END; -- NULL: no token was stored
 END
 $fn$;

@@ -1,8 +1,9 @@
-// Command fenceproxy is a PostgreSQL wire-protocol proxy that makes every
-// write transaction conditional on the session's fencing token.
+// Command fenceproxy is a PostgreSQL wire-protocol proxy that fences stale
+// leaders: it binds each session to its fencing token inside PostgreSQL, and
+// admitting a higher token ends every session of a lower one.
 //
-//	fenceproxy serve   --listen 127.0.0.1:6432 --upstream postgres://127.0.0.1:5432 --resource billing
-//	fenceproxy migrate --database postgres://admin@127.0.0.1:5432/app
+//	fenceproxy migrate --database postgres://admin@127.0.0.1:5432/app --key-file proxy.key
+//	fenceproxy serve   --listen 127.0.0.1:6432 --upstream postgres://127.0.0.1:5432 --resource billing --key-file proxy.key
 //	fenceproxy lock    --resource billing --database-url postgres://app@127.0.0.1:6432/app -- ./billing
 //
 // Every flag can also be set by an environment variable FENCEPROXY_<FLAG>
@@ -11,11 +12,15 @@
 package main
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 
 	"github.com/alecthomas/kong"
@@ -69,6 +74,30 @@ func newLogger(level, format string) (*zap.Logger, error) {
 	return cfg.Build()
 }
 
+// configJSON is kong.JSON with the file's keys read as the flag names they are documented to
+// be: kong's resolver looks a flag up only as snake_case or camelCase, so a key such as
+// "key-file" or "shutdown-grace" was silently ignored (and a proxy configured with its key
+// file in the file refused to start, "key-file is required").
+func configJSON(r io.Reader) (kong.Resolver, error) {
+	var values map[string]json.RawMessage
+	if err := json.NewDecoder(r).Decode(&values); err != nil {
+		return nil, err
+	}
+	keys := make(map[string]json.RawMessage, len(values))
+	for k, v := range values {
+		name := strings.ReplaceAll(k, "-", "_")
+		if _, dup := keys[name]; dup {
+			return nil, fmt.Errorf("configuration key %q given twice (with - and _)", k)
+		}
+		keys[name] = v
+	}
+	b, err := json.Marshal(keys)
+	if err != nil {
+		return nil, err
+	}
+	return kong.JSON(bytes.NewReader(b))
+}
+
 func main() {
 	os.Exit(run(os.Args[1:]))
 }
@@ -77,10 +106,10 @@ func run(args []string) int {
 	var c cli
 	parser, err := kong.New(&c,
 		kong.Name("fenceproxy"),
-		kong.Description("PostgreSQL proxy that fences stale leaders: every write transaction is conditional on the session's Consul fencing token."),
+		kong.Description("PostgreSQL proxy that fences stale leaders: each session is bound to its fencing token inside PostgreSQL, and admitting a higher token ends the sessions of lower ones."),
 		kong.UsageOnError(),
 		kong.DefaultEnvars("FENCEPROXY"),
-		kong.Configuration(kong.JSON),
+		kong.Configuration(configJSON),
 	)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "fenceproxy:", err)

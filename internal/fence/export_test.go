@@ -2,6 +2,7 @@ package fence
 
 import (
 	"context"
+	"strconv"
 
 	"github.com/pressly/goose/v3"
 )
@@ -21,4 +22,22 @@ func MigrateTo(ctx context.Context, databaseURL string, version int64) error {
 		}
 		return err
 	})
+}
+
+// BindSQL and RaiseSQL are BindCall and RaiseCall as one literal statement, for tests that
+// bind or raise on a connection of their own with a plain Exec.
+func (k Key) BindSQL(database, resource string, token int64, pid uint32) (string, error) {
+	return k.literal("bind", database, resource, token, pid)
+}
+
+func (k Key) RaiseSQL(database, resource string, token int64, pid uint32) (string, error) {
+	return k.literal("raise", database, resource, token, pid)
+}
+
+func (k Key) literal(kind, database, resource string, token int64, pid uint32) (string, error) {
+	c, err := k.call(kind, database, resource, token, pid)
+	if err != nil {
+		return "", err
+	}
+	return "SELECT fence." + kind + "('" + c.Resource + "', " + strconv.FormatInt(c.Token, 10) + ", '" + c.Proof + "')", nil
 }

@@ -2,6 +2,7 @@ package fence
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strconv"
 	"strings"
@@ -30,7 +31,8 @@ func ParsePayload(p string) (resource string, token int64, reset bool, err error
 }
 
 // Listen keeps a connection to the database at url, LISTENs on Channel and
-// feeds every raise into reg, until ctx is done. After every (re)connection
+// feeds every raise into reg (the token stored in fence.tokens, which a
+// notification only points at), until ctx is done. After every (re)connection
 // it reads fence.tokens whole, so raises notified while it was disconnected
 // are not missed. ready, if not nil, is called after each successful sync.
 func Listen(ctx context.Context, url string, reg *Registry, log *zap.Logger, ready func()) error {
@@ -86,9 +88,20 @@ func listenOnce(ctx context.Context, url string, reg *Registry, ready func()) er
 		if err != nil {
 			return err
 		}
-		res, tok, reset, err := ParsePayload(n.Payload)
+		res, _, reset, err := ParsePayload(n.Payload)
+		if err != nil {
+			continue
+		}
+		// Any session may NOTIFY on the channel: the payload only says which
+		// resource to look at, the stored token is what counts. (Believing a
+		// forged "billing 999999" would end every session of the resource
+		// and refuse its leader.)
+		var tok int64
+		err = conn.QueryRow(ctx, "SELECT token FROM fence.tokens WHERE resource = $1", res).Scan(&tok)
 		switch {
+		case errors.Is(err, pgx.ErrNoRows):
 		case err != nil:
+			return fmt.Errorf("read fence.tokens: %w", err)
 		case reset:
 			reg.Reset(database, res, tok)
 		default:

@@ -16,10 +16,8 @@ import (
 
 // The statements the proxy sends: a bind at session start and a raise on its control
 // connection, each a single SELECT of one function of the fence schema (see
-// migrations/00004_bind_sessions.sql for what they guarantee), built from a resource name that
-// passed ValidResource, an integer token and a hex proof: never from text a client sent. A
-// valid name holds only a-z, 0-9, '_', '.' and '-', so it cannot end the string literal it is
-// put in, whatever standard_conforming_strings says.
+// migrations/00004_bind_sessions.sql for what they guarantee) whose parameters are a resource
+// name that passed ValidResource, an integer token and a hex proof: never text a client sent.
 
 // Key is the proxy key: the secret that proves to the database that a bind or a raise comes
 // from fenceproxy (proof obligation P5 of migration 4). The same key is stored in the
@@ -86,10 +84,29 @@ func (k Key) Proof(kind, database, resource string, token int64, pid uint32) str
 	return hex.EncodeToString(outer[:])
 }
 
-// BindSQL returns the statement that binds the session's backend (process ID pid, in
-// database) to (resource, token), e.g. SELECT fence.bind('billing', 34, '…'). Its one row,
-// one column is the token stored afterwards; it fails with ZF001 when a higher token is
-// stored, and binds nothing then.
+// BindQuery and RaiseQuery are the statements the proxy sends, with a Call's Args as their
+// parameters (extended protocol): never with the proof as a literal, so that the proof does not
+// show in pg_stat_activity.query to the sessions that may read it (proof obligation P5).
+const (
+	BindQuery  = "SELECT fence.bind($1, $2, $3)"
+	RaiseQuery = "SELECT fence.raise($1, $2, $3)"
+)
+
+// Call is a bind or a raise with its proof: the parameters of BindQuery or RaiseQuery.
+type Call struct {
+	Resource string
+	Token    int64
+	Proof    string
+}
+
+// Args returns the call's parameters in text format.
+func (c Call) Args() [][]byte {
+	return [][]byte{[]byte(c.Resource), strconv.AppendInt(nil, c.Token, 10), []byte(c.Proof)}
+}
+
+// BindCall returns the bind of the session's backend (process ID pid, in database) to
+// (resource, token). BindQuery returns one row, one column: the token stored afterwards; it
+// fails with ZF001 when a higher token is stored, and binds nothing then.
 //
 // Run it in its own READ COMMITTED, READ WRITE transaction: fence.bind refuses other
 // isolation levels, and a read-only transaction cannot raise.
@@ -97,37 +114,37 @@ func (k Key) Proof(kind, database, resource string, token int64, pid uint32) str
 // It returns a ZF004 *Error (errors.Is(err, ErrMalformed)) for an invalid resource name or a
 // token below 1, and never panics: the values come from a session's startup parameters, so a
 // bad one is the client's mistake, answered with an error.
-func (k Key) BindSQL(database, resource string, token int64, pid uint32) (string, error) {
+func (k Key) BindCall(database, resource string, token int64, pid uint32) (Call, error) {
 	return k.call("bind", database, resource, token, pid)
 }
 
-// RaiseSQL returns the statement that admits token for resource on the proxy's own
-// connection (process ID pid, in database), ending the backends bound to lower tokens:
-// SELECT fence.raise('billing', 35, '…'). Its result and errors are as for BindSQL.
-func (k Key) RaiseSQL(database, resource string, token int64, pid uint32) (string, error) {
+// RaiseCall returns the raise of resource to token on the proxy's own connection (process ID
+// pid, in database), which ends the backends bound to lower tokens: RaiseQuery's parameters.
+// Its result and errors are as for BindCall.
+func (k Key) RaiseCall(database, resource string, token int64, pid uint32) (Call, error) {
 	return k.call("raise", database, resource, token, pid)
 }
 
-func (k Key) call(kind, database, resource string, token int64, pid uint32) (string, error) {
+func (k Key) call(kind, database, resource string, token int64, pid uint32) (Call, error) {
 	if !ValidResource(resource) {
-		return "", Malformed(fmt.Sprintf("resource %q must match %s", resource, resourcePattern))
+		return Call{}, Malformed(fmt.Sprintf("resource %q must match %s", resource, resourcePattern))
 	}
 	if token < 1 {
-		return "", Malformed(fmt.Sprintf("token %d must be 1 or more", token))
+		return Call{}, Malformed(fmt.Sprintf("token %d must be 1 or more", token))
 	}
-	return "SELECT fence." + kind + "('" + resource + "', " + strconv.FormatInt(token, 10) + ", '" +
-		k.Proof(kind, database, resource, token, pid) + "')", nil
+	return Call{Resource: resource, Token: token, Proof: k.Proof(kind, database, resource, token, pid)}, nil
 }
 
 // Raise admits token for resource through conn (the proxy's control connection, not a
 // client's session), ending every backend bound to a lower token before it commits, and
 // returns the token stored afterwards: higher than token when a newer one was admitted.
+// conn must not be inside a transaction: the raise commits its own.
 func (k Key) Raise(ctx context.Context, conn *pgx.Conn, resource string, token int64) (int64, error) {
 	database := conn.Config().Database
 	if database == "" {
 		database = conn.Config().User // PostgreSQL's default
 	}
-	q, err := k.RaiseSQL(database, resource, token, conn.PgConn().PID())
+	c, err := k.RaiseCall(database, resource, token, conn.PgConn().PID())
 	if err != nil {
 		return 0, err
 	}
@@ -138,7 +155,7 @@ func (k Key) Raise(ctx context.Context, conn *pgx.Conn, resource string, token i
 		return 0, err
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // after Commit, a no-op
-	if err := tx.QueryRow(ctx, q, pgx.QueryExecModeSimpleProtocol).Scan(&stored); err != nil {
+	if err := tx.QueryRow(ctx, RaiseQuery, c.Resource, c.Token, c.Proof).Scan(&stored); err != nil {
 		return 0, err
 	}
 	return stored, tx.Commit(ctx)

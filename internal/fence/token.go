@@ -52,10 +52,12 @@ type Credentials struct {
 func FromStartup(s *wire.Startup, known []string) (Credentials, error) {
 	vals := map[string][]string{}
 	for _, name := range []string{ParamResource, ParamToken, ParamSession} {
-		if v, ok := s.Param(name); ok {
-			vals[name] = append(vals[name], v)
-			s.DeleteParam(name)
+		for _, p := range s.Params {
+			if p.Name == name {
+				vals[name] = append(vals[name], p.Value)
+			}
 		}
+		s.DeleteParam(name)
 	}
 	if opts, ok := s.Param("options"); ok {
 		found, rest, err := wire.ExtractSettings(wire.SplitOptions(opts), func(n string) bool {

@@ -40,6 +40,16 @@ import (
 // after the raise commits), to say ZF001 instead of relaying the server's 57P01.
 const staleWait = time.Second
 
+// staleLinger is how long the client connection of a session ended with a
+// fencing error stays open, reading and discarding, after the error was sent
+// and the server connection closed. A stale leader may be frozen when its
+// session ends and send its COMMIT much later: were the socket closed by then,
+// the kernel would answer that COMMIT with a reset, and a client such as libpq
+// would lose the error it had not read yet ("server closed the connection
+// unexpectedly", no SQLSTATE). Reading its next message first keeps the
+// error. A client that closes, or a proxy that shuts down, ends it sooner.
+const staleLinger = 5 * time.Minute
+
 // errServerGone marks errors of the server connection (read or write), as
 // opposed to the client's.
 var errServerGone = errors.New("server connection ended")
@@ -50,7 +60,10 @@ var errEnded = errors.New("session ended by fenceproxy")
 // relay runs both directions until either side closes or fails.
 func (sess *session) relay(ctx context.Context) error {
 	// ctx ends when the shutdown grace period is over: tell the client why.
-	stop := context.AfterFunc(ctx, func() { sess.end(sess.shutdownError()) })
+	stop := context.AfterFunc(ctx, func() {
+		sess.end(sess.shutdownError(), false)
+		sess.client.Close()
+	})
 	defer stop()
 	if sess.mode == modeFenced {
 		go sess.endWhenStale()
@@ -62,42 +75,81 @@ func (sess *session) relay(ctx context.Context) error {
 	if sess.mode == modeFenced && errors.Is(err, errServerGone) {
 		sess.explainServerEnd()
 	}
-	sess.end(nil)
+	sess.end(nil, false)
 	close(sess.done)
 	<-errc
+	if sess.lingering.Load() {
+		// clientToServer has read the client's next message (or its end, or
+		// the linger ran out); what it sent after that is dropped unread
+		// before the close, which would otherwise reset the connection.
+		sess.drainClient()
+	}
+	sess.client.Close()
 	return err
 }
 
 // end tells the client why the session ends (resp; nil: nothing to say) and
-// closes both connections, once. Closing the server connection ends the
-// backend, which rolls back any open transaction. Safe from any goroutine.
-func (sess *session) end(resp *pgproto3.ErrorResponse) {
+// closes the server connection, once; closing it ends the backend, which rolls
+// back any open transaction. The client connection is half-closed after resp
+// and, with linger, left open for clientToServer to read the client's next
+// message (see staleLinger); relay closes it. Safe from any goroutine.
+func (sess *session) end(resp *pgproto3.ErrorResponse, linger bool) {
 	sess.endOnce.Do(func() {
+		sess.ended.Store(true)
 		if resp != nil {
 			sess.cwMu.Lock()
 			sess.client.SetWriteDeadline(time.Now().Add(time.Second))        //nolint:errcheck
 			wire.WriteMessage(sess.cw, 'E', wire.AppendError(nil, resp)[5:]) //nolint:errcheck // the connection closes anyway
 			sess.cw.Flush()                                                  //nolint:errcheck
 			sess.cwMu.Unlock()
-			// Half-close first so that the client reads the FATAL before it sees the end.
+			// Half-close so that the client reads the FATAL, then the end.
 			if cw, ok := sess.client.(interface{ CloseWrite() error }); ok {
 				cw.CloseWrite() //nolint:errcheck
 			}
 		}
 		sess.server.Close()
+		if resp != nil && linger {
+			sess.lingering.Store(true)
+			sess.client.SetReadDeadline(time.Now().Add(staleLinger)) //nolint:errcheck
+			return
+		}
 		sess.client.Close()
 	})
 }
 
+// endFencing ends a session with a fencing error, lingering (staleLinger).
+func (sess *session) endFencing(fe *fence.Error) {
+	sess.srv.metrics.rejection(fe.Code)
+	sess.end(fe.Response(wire.SeverityFatal), true)
+}
+
 // endWhenStale ends a fenced session as soon as the registry says a higher
-// token was admitted for its resource.
+// token was admitted for its resource. When a query is in flight it is
+// cancelled first: the backend may still be alive (Consul showed a new holder
+// before any raise), and closing its connection alone would let the running
+// statement go on until it next talks to the client.
 func (sess *session) endWhenStale() {
 	select {
 	case <-sess.staleCh:
-		sess.log.Info("ending stale session", zap.Int64("admitted", sess.admitted.Load()))
-		sess.srv.metrics.rejection(fence.CodeStale)
-		sess.end(sess.staleError().Response(wire.SeverityFatal))
+		sess.mu.Lock()
+		busy := sess.outstanding > 0
+		sess.mu.Unlock()
+		sess.log.Info("ending stale session", zap.Int64("admitted", sess.admitted.Load()), zap.Bool("in_flight", busy))
+		if busy {
+			sess.cancelInFlight()
+		}
+		sess.endFencing(sess.staleError())
 	case <-sess.done:
+	}
+}
+
+// cancelInFlight asks the server to cancel the session's running query.
+func (sess *session) cancelInFlight() {
+	ctx, cancel := context.WithTimeout(context.Background(), sess.srv.cfg.ConnectTimeout)
+	defer cancel()
+	req := &wire.Startup{Kind: wire.KindCancelRequest, ProcessID: sess.pid, SecretKey: sess.key}
+	if err := sess.srv.forwardCancel(ctx, req); err != nil {
+		sess.log.Warn("could not cancel the stale session's query", zap.Error(err))
 	}
 }
 
@@ -105,7 +157,7 @@ func (sess *session) endWhenStale() {
 // held back by serverToClient, or a closed connection): if the registry
 // learns within staleWait that a higher token was admitted, the raise ended
 // the backend and the client is told ZF001; otherwise it gets the server's
-// own error.
+// own error, or one that says the server closed the connection.
 func (sess *session) explainServerEnd() {
 	if !sess.stale.Load() {
 		t := time.NewTimer(staleWait)
@@ -116,14 +168,16 @@ func (sess *session) explainServerEnd() {
 		t.Stop()
 	}
 	if sess.stale.Load() {
-		sess.srv.metrics.rejection(fence.CodeStale)
-		sess.end(sess.staleError().Response(wire.SeverityFatal))
+		sess.endFencing(sess.staleError())
 		return
 	}
-	if resp := sess.serverFatal.Load(); resp != nil {
-		resp.Hint = fmt.Sprintf("fenceproxy: a raise of resource %q ends the sessions of lower tokens this way; if this process may have lost its lock, stop writing and acquire it again.", sess.cred.Resource)
-		sess.end(resp)
+	resp := sess.serverFatal.Load()
+	if resp == nil {
+		resp = &pgproto3.ErrorResponse{Severity: wire.SeverityFatal, Code: wire.CodeConnectionFailure,
+			Message: "fenceproxy: the server closed the connection"}
 	}
+	resp.Hint = fmt.Sprintf("fenceproxy: a raise of resource %q ends the sessions of lower tokens this way; if this process may have lost its lock, stop writing and acquire it again.", sess.cred.Resource)
+	sess.end(resp, true)
 }
 
 // ---------------------------------------------------------------------
@@ -214,7 +268,7 @@ func (sess *session) readyForQuery(status byte) {
 	sess.mu.Unlock()
 	if idle && sess.shuttingDown.Load() {
 		sess.flushClientIfIdle() //nolint:errcheck
-		sess.end(sess.shutdownError())
+		sess.end(sess.shutdownError(), false)
 	}
 }
 
@@ -244,8 +298,7 @@ func (sess *session) clientToServer() error {
 		if fenced && typ != 'X' {
 			// Two atomic loads: the refusal known before the database's.
 			if fe := sess.refusal(); fe != nil {
-				sess.srv.metrics.rejection(fe.Code)
-				sess.end(fe.Response(wire.SeverityFatal))
+				sess.endFencing(fe)
 				return errEnded
 			}
 		}

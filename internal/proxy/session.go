@@ -64,6 +64,8 @@ type session struct {
 
 	shuttingDown atomic.Bool
 	endOnce      sync.Once
+	ended        atomic.Bool // end ran
+	lingering    atomic.Bool // end left the client connection open (staleLinger)
 
 	mu          sync.Mutex
 	status      byte          // from the last ReadyForQuery relayed
@@ -240,7 +242,7 @@ func (sess *session) login(ctx context.Context, clients int64) error {
 	if s.draining.Load() {
 		return fatalf(wire.CodeCannotConnectNow, "fenceproxy is shutting down")
 	}
-	if err := sess.classify(ctx, st); err != nil {
+	if err := sess.classify(st); err != nil {
 		return err
 	}
 
@@ -266,7 +268,7 @@ func (sess *session) login(ctx context.Context, clients int64) error {
 
 // classify reads the fence parameters (removing them from the startup
 // message) and decides the session's mode.
-func (sess *session) classify(ctx context.Context, st *wire.Startup) error {
+func (sess *session) classify(st *wire.Startup) error {
 	s := sess.srv
 	cred, err := fence.FromStartup(st, s.cfg.names)
 	if err != nil {
@@ -295,12 +297,20 @@ func (sess *session) classify(ctx context.Context, st *wire.Startup) error {
 	}
 	sess.mode = modeFenced
 	sess.log = sess.log.With(zap.String("resource", cred.Resource), zap.Int64("token", cred.Token))
+	return nil
+}
+
+// admit decides, after authentication (a client that has not authenticated
+// learns nothing of the tokens), whether a fenced session's token may be
+// bound: not below the highest token this proxy knows of (the early
+// refusal; fence.bind refuses it anyway), and Consul's word when the resource
+// has a lock key.
+func (sess *session) admit(ctx context.Context) error {
+	s, cred := sess.srv, sess.cred
 	if h := s.reg.Highest(sess.database, cred.Resource); h > cred.Token {
 		return fatalFence(fence.Stale(cred.Resource, cred.Token, h))
 	}
 	if v, ok := s.admit.(interface{ Validates(string) bool }); ok && v.Validates(cred.Resource) {
-		// Consul says who holds the lock: when it hands the lock to a newer
-		// holder, this session is closed at its next idle point.
 		sess.consulChecked = true
 	}
 	if s.admit != nil {
@@ -371,7 +381,7 @@ func (sess *session) relayAuth(ctx context.Context) error {
 			if len(body) != 1 {
 				return fatalf(wire.CodeProtocolViolation, "malformed ReadyForQuery from the server")
 			}
-			if err := sess.bind(); err != nil {
+			if err := sess.bind(ctx); err != nil {
 				return err
 			}
 			sess.status = body[0]
@@ -401,13 +411,22 @@ func (sess *session) bindingMismatch() bool {
 	return !bytes.Equal(peers[0].Raw, certs[0].Certificate[0])
 }
 
+// maxAuthMessage is the largest authentication answer relayed: PostgreSQL's own
+// PG_MAX_AUTH_TOKEN_LENGTH. Before authentication nobody is trusted with the
+// 1 GiB limit of an authenticated session's messages, which the proxy would
+// buffer whole.
+const maxAuthMessage = 65535
+
 func (sess *session) relayAuthAnswer() error {
-	typ, _, err := sess.cr.Next()
+	typ, n, err := sess.cr.Next()
 	if err != nil {
 		return err
 	}
 	if typ != 'p' {
 		return fatalf(wire.CodeProtocolViolation, "expected an authentication answer, got message type %q", typ)
+	}
+	if n > maxAuthMessage {
+		return fatalf(wire.CodeProtocolViolation, "authentication message of %d bytes is too large (at most %d)", n, maxAuthMessage)
 	}
 	body, err := sess.cr.Body()
 	if err != nil {
@@ -429,30 +448,54 @@ func (sess *session) toClient(typ byte, body []byte, flush bool) error {
 	return nil
 }
 
+// bindStart opens the bind's own transaction: READ COMMITTED and READ WRITE
+// whatever the session's defaults (default_transaction_isolation or _read_only
+// in the startup options: fence.bind refuses other isolation levels, and a
+// read-only default would refuse the raise), and without the role's or the
+// client's statement and lock timeouts (a bind that raises waits for the stale
+// backends to exit, within the raise's own bound and the login timeout).
+const bindStart = "BEGIN ISOLATION LEVEL READ COMMITTED READ WRITE; SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0"
+
 // bind binds a fenced session's backend to its token (fence.bind, which
 // raises the token first when it is higher, ending the backends bound to lower
 // ones) in its own transaction on the session's own connection, with the
-// client's credentials, before the client sees ReadyForQuery: the client can
-// send nothing before its backend is bound. A refusal closes the session.
-func (sess *session) bind() error {
+// client's credentials, after authentication and before the client sees
+// ReadyForQuery: the client can send nothing before its backend is bound. A
+// refusal closes the session.
+//
+// The proof goes as a parameter of the extended protocol, not in the SQL
+// text: pg_stat_activity shows the text to the role's other sessions.
+func (sess *session) bind(ctx context.Context) error {
 	if sess.mode != modeFenced {
 		return nil
+	}
+	if err := sess.admit(ctx); err != nil {
+		return err
 	}
 	c := sess.cred
 	if sess.pid == 0 {
 		return fatalf(fence.CodeUnavailable, "fenceproxy cannot bind the session: the server sent no BackendKeyData")
 	}
-	q, err := sess.srv.cfg.Key.BindSQL(sess.database, c.Resource, c.Token, sess.pid)
+	call, err := sess.srv.cfg.Key.BindCall(sess.database, c.Resource, c.Token, sess.pid)
 	if err != nil {
 		return fatalf(fence.CodeMalformed, "%v", err)
 	}
-	// Its own short transaction, READ COMMITTED and READ WRITE whatever the
-	// session's defaults (default_transaction_isolation or _read_only given
-	// in the startup options): fence.bind refuses other isolation levels, and
-	// a read-only default would refuse the raise.
-	q = "BEGIN ISOLATION LEVEL READ COMMITTED READ WRITE; " + q + "; COMMIT"
+	msgs := []pgproto3.FrontendMessage{
+		&pgproto3.Query{String: bindStart},
+		&pgproto3.Parse{Query: fence.BindQuery},
+		&pgproto3.Bind{Parameters: call.Args()},
+		&pgproto3.Execute{},
+		&pgproto3.Sync{},
+		&pgproto3.Query{String: "COMMIT"},
+	}
+	var buf []byte
+	for _, m := range msgs {
+		if buf, err = m.Encode(buf); err != nil {
+			return err
+		}
+	}
 	started := time.Now()
-	if err := wire.WriteMessage(sess.sw, 'Q', append([]byte(q), 0)); err != nil {
+	if _, err := sess.sw.Write(buf); err != nil {
 		return err
 	}
 	if err := sess.sw.Flush(); err != nil {
@@ -460,7 +503,7 @@ func (sess *session) bind() error {
 	}
 	var stored int64 = -1
 	var serverErr *pgproto3.ErrorResponse
-	for {
+	for ready := 0; ready < 3; {
 		typ, _, err := sess.sr.Next()
 		if err != nil {
 			return fatalf(wire.CodeConnectionFailure, "fenceproxy lost the server while binding the session: %v", err)
@@ -479,23 +522,25 @@ func (sess *session) bind() error {
 				}
 			}
 		case 'E':
-			serverErr, _ = wire.DecodeError(body)
+			if serverErr == nil {
+				serverErr, _ = wire.DecodeError(body)
+			}
 		case 'S':
 			if err := sess.toClient(typ, body, false); err != nil {
 				return err
 			}
-		case 'N', 'A':
-			// Notices of our own statement are not the client's business.
 		case 'Z':
-			err := sess.bound(stored, serverErr)
-			outcome := "bound"
-			if err != nil {
-				outcome = "refused"
-			}
-			sess.srv.metrics.bind(outcome, time.Since(started))
-			return err
+			ready++ // after the BEGIN, the Sync and the COMMIT
 		}
+		// Notices and the other answers of our own statements are not the client's business.
 	}
+	err = sess.bound(stored, serverErr)
+	outcome := "bound"
+	if err != nil {
+		outcome = "refused"
+	}
+	sess.srv.metrics.bind(outcome, time.Since(started))
+	return err
 }
 
 // bound judges the bind's outcome.
@@ -563,11 +608,15 @@ func (sess *session) staleError() *fence.Error {
 // transactions, or at its next idle point.
 func (sess *session) shutdownWhenIdle() {
 	sess.shuttingDown.Store(true)
+	if sess.ended.Load() {
+		sess.client.Close() // lingering after a fencing error: no need to wait now
+		return
+	}
 	sess.mu.Lock()
 	idle := sess.outstanding == 0 && sess.status == 'I'
 	sess.mu.Unlock()
 	if idle {
-		sess.end(sess.shutdownError())
+		sess.end(sess.shutdownError(), false)
 	}
 }
 

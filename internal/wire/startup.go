@@ -162,24 +162,28 @@ func cutNul(b []byte) (before, after []byte, ok bool) {
 }
 
 // Param returns the value of the named parameter and whether it was present.
+// A parameter given twice has its last value, as PostgreSQL reads it.
 func (s *Startup) Param(name string) (string, bool) {
-	for _, p := range s.Params {
-		if p.Name == name {
-			return p.Value, true
+	for i := len(s.Params) - 1; i >= 0; i-- {
+		if s.Params[i].Name == name {
+			return s.Params[i].Value, true
 		}
 	}
 	return "", false
 }
 
-// SetParam replaces the named parameter, or appends it.
+// SetParam replaces every occurrence of the named parameter, or appends it.
 func (s *Startup) SetParam(name, value string) {
+	found := false
 	for i, p := range s.Params {
 		if p.Name == name {
 			s.Params[i].Value = value
-			return
+			found = true
 		}
 	}
-	s.Params = append(s.Params, Param{Name: name, Value: value})
+	if !found {
+		s.Params = append(s.Params, Param{Name: name, Value: value})
+	}
 }
 
 // DeleteParam removes the named parameter.

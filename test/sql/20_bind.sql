@@ -4,7 +4,7 @@
 \ir _psql.psql
 
 BEGIN;
-SELECT plan(58);
+SELECT plan(60);
 \ir _helpers.psql
 
 SELECT pg_temp.store_key() \g /dev/null
@@ -163,6 +163,11 @@ SELECT pg_temp.connect('s', 'tap_leader') \g /dev/null
 SELECT dblink_exec('s', 'SET synchronous_commit = on; BEGIN') \g /dev/null
 SELECT is(pg_temp.bind('s', 'tap-bind', 34), 34::bigint, 'a bind that raises');
 SELECT is(pg_temp.remote('s', 'SHOW synchronous_commit'), 'on', '... keeps synchronous_commit on: the new token is durable when the bind returns');
+SELECT dblink_exec('s', 'COMMIT') \g /dev/null
+SELECT pg_temp.connect('s', 'tap_leader') \g /dev/null
+SELECT dblink_exec('s', 'SET synchronous_commit = off; BEGIN') \g /dev/null
+SELECT is(pg_temp.bind('s', 'tap-bind', 35), 35::bigint, 'a bind that raises in a session with synchronous_commit off');
+SELECT is(pg_temp.remote('s', 'SHOW synchronous_commit'), 'local', '... commits with its WAL flushed all the same (P7)');
 SELECT dblink_exec('s', 'COMMIT') \g /dev/null
 
 SELECT dblink_exec('adm', $$
