@@ -41,13 +41,15 @@ import (
 const staleWait = time.Second
 
 // staleLinger is how long the client connection of a session ended with a
-// fencing error stays open, reading and discarding, after the error was sent
-// and the server connection closed. A stale leader may be frozen when its
-// session ends and send its COMMIT much later: were the socket closed by then,
-// the kernel would answer that COMMIT with a reset, and a client such as libpq
-// would lose the error it had not read yet ("server closed the connection
-// unexpectedly", no SQLSTATE). Reading its next message first keeps the
-// error. A client that closes, or a proxy that shuts down, ends it sooner.
+// fencing error stays open after the server connection closed. A stale leader
+// may be frozen, or idle in a transaction, when its session ends, and send its
+// COMMIT much later. Were the socket closed by then, the kernel would answer
+// that COMMIT with a reset, and libpq reports a FATAL error followed by the
+// end as "server closed the connection unexpectedly" without its SQLSTATE
+// anyway; so the proxy keeps the connection and answers the client's next unit
+// itself, with the error as an ERROR and a ReadyForQuery, as a server that
+// refused it would (answerEnded), then closes. A client that closes, or a
+// proxy that shuts down, ends it sooner.
 const staleLinger = 5 * time.Minute
 
 // errServerGone marks errors of the server connection (read or write), as
@@ -61,8 +63,8 @@ var errEnded = errors.New("session ended by fenceproxy")
 func (sess *session) relay(ctx context.Context) error {
 	// ctx ends when the shutdown grace period is over: tell the client why.
 	stop := context.AfterFunc(ctx, func() {
-		sess.end(sess.shutdownError(), false)
-		sess.client.Close()
+		sess.end(sess.shutdownError())
+		sess.client.Close() // also a client that lingers after a fencing error
 	})
 	defer stop()
 	if sess.mode == modeFenced {
@@ -75,52 +77,121 @@ func (sess *session) relay(ctx context.Context) error {
 	if sess.mode == modeFenced && errors.Is(err, errServerGone) {
 		sess.explainServerEnd()
 	}
-	sess.end(nil, false)
+	if sess.lingerResp.Load() == nil {
+		sess.end(nil)
+	}
 	close(sess.done)
 	<-errc
-	if sess.lingering.Load() {
-		// clientToServer has read the client's next message (or its end, or
-		// the linger ran out); what it sent after that is dropped unread
-		// before the close, which would otherwise reset the connection.
+	if sess.draining.Load() {
+		// clientToServer has read the client's message (or its end, or the
+		// linger ran out); what it sent after that is read and dropped before
+		// the close, which would otherwise reset the connection.
 		sess.drainClient()
 	}
 	sess.client.Close()
 	return err
 }
 
-// end tells the client why the session ends (resp; nil: nothing to say) and
-// closes the server connection, once; closing it ends the backend, which rolls
-// back any open transaction. The client connection is half-closed after resp
-// and, with linger, left open for clientToServer to read the client's next
-// message (see staleLinger); relay closes it. Safe from any goroutine.
-func (sess *session) end(resp *pgproto3.ErrorResponse, linger bool) {
+// end tells the client why the session ends (resp; nil: nothing to say),
+// closes the server connection, which ends the backend and rolls back any open
+// transaction, and then the client connection, once. Safe from any goroutine.
+func (sess *session) end(resp *pgproto3.ErrorResponse) {
 	sess.endOnce.Do(func() {
 		sess.ended.Store(true)
 		if resp != nil {
-			sess.cwMu.Lock()
-			sess.client.SetWriteDeadline(time.Now().Add(time.Second))        //nolint:errcheck
-			wire.WriteMessage(sess.cw, 'E', wire.AppendError(nil, resp)[5:]) //nolint:errcheck // the connection closes anyway
-			sess.cw.Flush()                                                  //nolint:errcheck
-			sess.cwMu.Unlock()
-			// Half-close so that the client reads the FATAL, then the end.
-			if cw, ok := sess.client.(interface{ CloseWrite() error }); ok {
-				cw.CloseWrite() //nolint:errcheck
-			}
+			sess.client.SetWriteDeadline(time.Now().Add(time.Second)) //nolint:errcheck
+			sess.writeClientError(resp)                               //nolint:errcheck // the connection closes anyway
+			sess.flushClient()                                        //nolint:errcheck
 		}
 		sess.server.Close()
-		if resp != nil && linger {
-			sess.lingering.Store(true)
-			sess.client.SetReadDeadline(time.Now().Add(staleLinger)) //nolint:errcheck
-			return
-		}
+		sess.halfClose()
 		sess.client.Close()
 	})
 }
 
-// endFencing ends a session with a fencing error, lingering (staleLinger).
-func (sess *session) endFencing(fe *fence.Error) {
-	sess.srv.metrics.rejection(fe.Code)
-	sess.end(fe.Response(wire.SeverityFatal), true)
+// endFencing ends a session with a fencing error, keeping the client
+// connection for answerEnded (staleLinger): the units the client waits for
+// get the error now, as an ERROR and a ReadyForQuery each; an idle client
+// (answering: false) is told at once with a FATAL, which drivers that read
+// while idle (LISTEN) see, and its next unit gets the error again.
+func (sess *session) endFencing(fe *fence.Error, answering bool) {
+	sess.endOnce.Do(func() {
+		sess.ended.Store(true)
+		sess.srv.metrics.rejection(fe.Code)
+		// The server first: nothing it still sends may follow the error.
+		sess.server.Close()
+		resp := fe.Response(wire.SeverityError)
+		sess.client.SetWriteDeadline(time.Now().Add(time.Second)) //nolint:errcheck
+		sess.mu.Lock()
+		waiting := sess.outstanding
+		sess.outstanding = 0
+		sess.mu.Unlock()
+		switch {
+		case waiting > 0:
+			for range waiting {
+				sess.writeClientError(resp)        //nolint:errcheck // the connection closes anyway
+				sess.writeClient('Z', []byte{'I'}) //nolint:errcheck
+			}
+		case !answering:
+			sess.writeClientError(fe.Response(wire.SeverityFatal)) //nolint:errcheck
+		}
+		sess.flushClient() //nolint:errcheck
+		sess.lingerResp.Store(resp)
+		sess.client.SetReadDeadline(time.Now().Add(staleLinger)) //nolint:errcheck
+	})
+}
+
+// answerEnded answers, as a server that refuses them would, the messages the
+// client sends after its session ended with a fencing error, from typ on:
+// the unit gets the error and a ReadyForQuery, then the connection closes
+// (relay drains what follows, so that the close resets nothing).
+func (sess *session) answerEnded(typ byte) error {
+	resp := sess.lingerResp.Load()
+	sess.client.SetWriteDeadline(time.Now().Add(time.Second)) //nolint:errcheck
+	errSent := false
+	for {
+		switch typ {
+		case 'X':
+			return io.EOF
+		case 'Q', 'F', 'S':
+			if !errSent {
+				sess.writeClientError(resp) //nolint:errcheck // the connection closes anyway
+			}
+			sess.writeClient('Z', []byte{'I'}) //nolint:errcheck
+			sess.flushClient()                 //nolint:errcheck
+			sess.halfClose()
+			sess.draining.Store(true)
+			return errEnded
+		case 'd', 'c', 'f':
+			// COPY data of a copy that ended with the session: its end is
+			// answered with the unit's ReadyForQuery.
+		default: // Parse, Bind, Describe, Execute, Close, Flush: the unit fails at its first
+			if !errSent {
+				sess.writeClientError(resp) //nolint:errcheck
+				sess.flushClient()          //nolint:errcheck
+				errSent = true
+			}
+		}
+		var err error
+		if typ, _, err = sess.cr.Next(); err != nil {
+			return err
+		}
+	}
+}
+
+// halfClose ends the proxy's side of the client connection, so that the
+// client reads what was sent, then the end, and no reset.
+func (sess *session) halfClose() {
+	if cw, ok := sess.client.(interface{ CloseWrite() error }); ok {
+		cw.CloseWrite() //nolint:errcheck
+	}
+}
+
+// busy reports whether the client waits for an answer.
+func (sess *session) busy() bool {
+	sess.mu.Lock()
+	defer sess.mu.Unlock()
+	return sess.outstanding > 0
 }
 
 // endWhenStale ends a fenced session as soon as the registry says a higher
@@ -131,14 +202,12 @@ func (sess *session) endFencing(fe *fence.Error) {
 func (sess *session) endWhenStale() {
 	select {
 	case <-sess.staleCh:
-		sess.mu.Lock()
-		busy := sess.outstanding > 0
-		sess.mu.Unlock()
+		busy := sess.busy()
 		sess.log.Info("ending stale session", zap.Int64("admitted", sess.admitted.Load()), zap.Bool("in_flight", busy))
 		if busy {
 			sess.cancelInFlight()
 		}
-		sess.endFencing(sess.staleError())
+		sess.endFencing(sess.staleError(), false)
 	case <-sess.done:
 	}
 }
@@ -168,16 +237,18 @@ func (sess *session) explainServerEnd() {
 		t.Stop()
 	}
 	if sess.stale.Load() {
-		sess.endFencing(sess.staleError())
+		sess.endFencing(sess.staleError(), false)
 		return
 	}
+	// Not known to be stale: the server's own error (or one saying it closed
+	// the connection), relayed as a server's FATAL is.
 	resp := sess.serverFatal.Load()
 	if resp == nil {
 		resp = &pgproto3.ErrorResponse{Severity: wire.SeverityFatal, Code: wire.CodeConnectionFailure,
 			Message: "fenceproxy: the server closed the connection"}
 	}
 	resp.Hint = fmt.Sprintf("fenceproxy: a raise of resource %q ends the sessions of lower tokens this way; if this process may have lost its lock, stop writing and acquire it again.", sess.cred.Resource)
-	sess.end(resp, true)
+	sess.end(resp)
 }
 
 // ---------------------------------------------------------------------
@@ -243,6 +314,16 @@ func (sess *session) flushClientIfIdle() error {
 	return nil
 }
 
+func (sess *session) writeClientError(resp *pgproto3.ErrorResponse) error {
+	return sess.writeClient('E', wire.AppendError(nil, resp)[5:])
+}
+
+func (sess *session) flushClient() error {
+	sess.cwMu.Lock()
+	defer sess.cwMu.Unlock()
+	return sess.cw.Flush()
+}
+
 func (sess *session) writeClient(typ byte, body []byte) error {
 	sess.cwMu.Lock()
 	defer sess.cwMu.Unlock()
@@ -268,7 +349,7 @@ func (sess *session) readyForQuery(status byte) {
 	sess.mu.Unlock()
 	if idle && sess.shuttingDown.Load() {
 		sess.flushClientIfIdle() //nolint:errcheck
-		sess.end(sess.shutdownError(), false)
+		sess.end(sess.shutdownError())
 	}
 }
 
@@ -296,10 +377,13 @@ func (sess *session) clientToServer() error {
 			return sess.clientReadError(err)
 		}
 		if fenced && typ != 'X' {
+			if sess.lingerResp.Load() != nil {
+				return sess.answerEnded(typ)
+			}
 			// Two atomic loads: the refusal known before the database's.
 			if fe := sess.refusal(); fe != nil {
-				sess.endFencing(fe)
-				return errEnded
+				sess.endFencing(fe, true)
+				return sess.answerEnded(typ)
 			}
 		}
 		switch typ {

@@ -64,8 +64,9 @@ type session struct {
 
 	shuttingDown atomic.Bool
 	endOnce      sync.Once
-	ended        atomic.Bool // end ran
-	lingering    atomic.Bool // end left the client connection open (staleLinger)
+	ended        atomic.Bool                            // end ran
+	lingerResp   atomic.Pointer[pgproto3.ErrorResponse] // endFencing's error, for answerEnded (staleLinger)
+	draining     atomic.Bool                            // relay drains the client connection before it closes it
 
 	mu          sync.Mutex
 	status      byte          // from the last ReadyForQuery relayed
@@ -616,7 +617,7 @@ func (sess *session) shutdownWhenIdle() {
 	idle := sess.outstanding == 0 && sess.status == 'I'
 	sess.mu.Unlock()
 	if idle {
-		sess.end(sess.shutdownError(), false)
+		sess.end(sess.shutdownError())
 	}
 }
 
