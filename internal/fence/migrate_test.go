@@ -39,14 +39,22 @@ func (c *schemaCluster) createDB(t *testing.T) string {
 	return c.pg.URL(testenv.AdminUser, name)
 }
 
-// migratedDB creates a database with the fence schema installed.
+// migratedDB creates a database with the fence schema installed and testenv.Key stored.
 func (c *schemaCluster) migratedDB(t *testing.T) string {
 	t.Helper()
 	url := c.createDB(t)
-	if _, err := fence.Migrate(t.Context(), url); err != nil {
-		t.Fatalf("Migrate: %v", err)
-	}
+	testenv.Migrate(t, url)
 	return url
+}
+
+// dbName is the database a URL names.
+func dbName(t *testing.T, url string) string {
+	t.Helper()
+	cfg, err := pgx.ParseConfig(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return cfg.Database
 }
 
 func schemaConnect(t *testing.T, url string) *pgx.Conn {
@@ -68,9 +76,11 @@ func schemaExec(t *testing.T, conn *pgx.Conn, sql string, args ...any) {
 	}
 }
 
-// raise runs fence.raise through the SQL the proxy injects and returns the stored token.
-func raise(ctx context.Context, conn *pgx.Conn, resource string, token int64) (int64, error) {
-	q, err := fence.RaiseSQL(resource, token)
+// bind binds conn's backend to (resource, token) with key, the way the proxy does: the text
+// of BindSQL for the backend's pid and the connection's database, in an implicit READ
+// COMMITTED transaction. It returns the stored token.
+func bind(ctx context.Context, conn *pgx.Conn, key fence.Key, resource string, token int64) (int64, error) {
+	q, err := key.BindSQL(conn.Config().Database, resource, token, conn.PgConn().PID())
 	if err != nil {
 		return 0, err
 	}
@@ -79,23 +89,74 @@ func raise(ctx context.Context, conn *pgx.Conn, resource string, token int64) (i
 	return stored, err
 }
 
+func mustBind(t *testing.T, conn *pgx.Conn, resource string, token int64) int64 {
+	t.Helper()
+	stored, err := bind(t.Context(), conn, testenv.Key, resource, token)
+	if err != nil {
+		t.Fatalf("bind(%s, %d): %v", resource, token, err)
+	}
+	return stored
+}
+
+// mustRaise raises through Key.Raise with testenv.Key and returns the stored token.
 func mustRaise(t *testing.T, conn *pgx.Conn, resource string, token int64) int64 {
 	t.Helper()
-	stored, err := raise(t.Context(), conn, resource, token)
+	stored, err := testenv.Key.Raise(t.Context(), conn, resource, token)
 	if err != nil {
 		t.Fatalf("raise(%s, %d): %v", resource, token, err)
 	}
 	return stored
 }
 
-// check runs fence.check through the SQL the proxy injects.
-func check(ctx context.Context, conn *pgx.Conn, resource string, token int64) error {
-	q, err := fence.CheckSQL(resource, token)
-	if err != nil {
-		return err
+// storedToken reads resource's stored token (nil: no row).
+func storedToken(t *testing.T, conn *pgx.Conn, resource string) *int64 {
+	t.Helper()
+	var tok *int64
+	err := conn.QueryRow(t.Context(), "SELECT token FROM fence.tokens WHERE resource = $1", resource).Scan(&tok)
+	if err != nil && !errors.Is(err, pgx.ErrNoRows) {
+		t.Fatalf("read the token of %s: %v", resource, err)
 	}
-	_, err = conn.Exec(ctx, q)
-	return err
+	return tok
+}
+
+// binding is fence.bindings' row for the live backend pid ("", 0: not bound).
+func binding(t *testing.T, conn *pgx.Conn, pid uint32) (string, int64) {
+	t.Helper()
+	var res string
+	var tok int64
+	err := conn.QueryRow(t.Context(), `SELECT b.resource, b.token FROM fence.bindings AS b
+		JOIN pg_stat_activity AS a ON a.pid = b.pid AND a.backend_start = b.backend_start
+		WHERE b.pid = $1`, int32(pid)).Scan(&res, &tok)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return "", 0
+	}
+	if err != nil {
+		t.Fatalf("read the binding of %d: %v", pid, err)
+	}
+	return res, tok
+}
+
+// alive reports whether backend pid is listed in pg_stat_activity. conn must not be inside a
+// transaction: pg_stat_activity is read once per transaction.
+func alive(t *testing.T, conn *pgx.Conn, pid uint32) bool {
+	t.Helper()
+	var ok bool
+	if err := conn.QueryRow(t.Context(), "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)", int32(pid)).Scan(&ok); err != nil {
+		t.Fatal(err)
+	}
+	return ok
+}
+
+// wantEnded fails unless conn's backend was ended: its next statement fails and the
+// connection is closed.
+func wantEnded(t *testing.T, conn *pgx.Conn) {
+	t.Helper()
+	if _, err := conn.Exec(t.Context(), "SELECT 1"); err == nil {
+		t.Fatal("a backend that should have been ended answered")
+	}
+	if !conn.IsClosed() {
+		t.Fatal("the connection of an ended backend is not closed")
+	}
 }
 
 // wantPgError fails unless err is a server error with SQLSTATE code whose message starts with
@@ -120,6 +181,30 @@ func countRows(t *testing.T, conn *pgx.Conn, table string) int {
 	}
 	return n
 }
+
+// waitBlockedBy waits until some backend waits for a lock that backend pid holds, and returns
+// that backend's pid. conn must not be inside a transaction.
+func waitBlockedBy(t *testing.T, conn *pgx.Conn, pid uint32) uint32 {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for time.Now().Before(deadline) {
+		var blocked int32
+		err := conn.QueryRow(t.Context(),
+			"SELECT pid FROM pg_stat_activity WHERE $1 = ANY (pg_blocking_pids(pid)) LIMIT 1", int32(pid)).Scan(&blocked)
+		if err == nil {
+			return uint32(blocked)
+		}
+		if !errors.Is(err, pgx.ErrNoRows) {
+			t.Fatal(err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	t.Fatalf("no backend waited for a lock of backend %d", pid)
+	return 0
+}
+
+// allVersions are the embedded migrations, in order.
+var allVersions = []int64{1, 2, 3, 4}
 
 func TestMigrate(t *testing.T) {
 	c := startSchemaCluster(t)
@@ -161,18 +246,31 @@ func TestMigrate(t *testing.T) {
 		if objects != 0 {
 			t.Fatalf("migration left %d objects in schema public", objects)
 		}
+		wantVersion4Objects(t, conn)
 
 		states, err := fence.MigrationStatus(t.Context(), url)
 		if err != nil {
 			t.Fatalf("MigrationStatus: %v", err)
 		}
-		if len(states) == 0 {
-			t.Fatal("MigrationStatus: no migrations")
+		if len(states) != len(allVersions) {
+			t.Fatalf("MigrationStatus: %d migrations, want %d", len(states), len(allVersions))
 		}
 		for _, s := range states {
 			if !s.Applied {
 				t.Errorf("migration %d (%s) not applied", s.Version, s.Name)
 			}
+		}
+		if last := states[len(states)-1]; last.Version != 4 || last.Name != "00004_bind_sessions.sql" {
+			t.Errorf("last migration %+v, want 00004_bind_sessions.sql", last)
+		}
+
+		// Without a stored key, fencing is unavailable (fail closed), whatever the proof.
+		_, err = bind(t.Context(), conn, testenv.Key, "billing", 1)
+		wantPgError(t, err, fence.CodeUnavailable, "fencing unavailable: no proxy key is stored in this database")
+		_, err = testenv.Key.Raise(t.Context(), conn, "billing", 1)
+		wantPgError(t, err, fence.CodeUnavailable, "fencing unavailable: no proxy key is stored in this database")
+		if tok := storedToken(t, conn, "billing"); tok != nil {
+			t.Fatalf("a refused bind stored token %d", *tok)
 		}
 	})
 
@@ -228,15 +326,16 @@ func TestMigrate(t *testing.T) {
 			t.Fatalf("%d migrations applied the versions, want exactly 1", appliers)
 		}
 		conn := schemaConnect(t, url)
-		if got := countRows(t, conn, "fence.goose_db_version WHERE version_id = 1"); got != 1 {
-			t.Fatalf("version 1 recorded %d times", got)
+		if got := countRows(t, conn, "fence.goose_db_version WHERE version_id = 4"); got != 1 {
+			t.Fatalf("version 4 recorded %d times", got)
 		}
 	})
 
 	t.Run("non-superuser owner", func(t *testing.T) {
 		url := c.createDB(t)
-		db := url[strings.LastIndex(url, "/")+1 : strings.Index(url, "?")]
+		db := dbName(t, url)
 		c.pg.Exec(t, "DO $$ BEGIN CREATE ROLE fence_owner LOGIN; EXCEPTION WHEN duplicate_object THEN NULL; END $$")
+		c.pg.Exec(t, "DO $$ BEGIN CREATE ROLE owned_app LOGIN; EXCEPTION WHEN duplicate_object THEN NULL; END $$")
 		c.pg.Exec(t, "GRANT CREATE ON DATABASE "+db+" TO fence_owner")
 		ownerURL := c.pg.URL("fence_owner", db)
 		if _, err := fence.Migrate(t.Context(), ownerURL); err != nil {
@@ -247,10 +346,42 @@ func TestMigrate(t *testing.T) {
 		if applied, err := fence.Migrate(t.Context(), ownerURL); err != nil || len(applied) != 0 {
 			t.Fatalf("second Migrate = %v, %v; want nothing applied", applied, err)
 		}
-		conn := schemaConnect(t, ownerURL)
-		if got := mustRaise(t, conn, "owned", 3); got != 3 {
+		if err := fence.SetKey(t.Context(), ownerURL, testenv.Key); err != nil {
+			t.Fatalf("SetKey as the owner: %v", err)
+		}
+		owner := schemaConnect(t, ownerURL)
+		if got := mustRaise(t, owner, "owned", 3); got != 3 {
 			t.Fatalf("raise = %d, want 3", got)
 		}
+
+		// What the owner needs (migration 4): pg_read_all_stats to see other roles' backends,
+		// pg_signal_backend to end them. Without the second, a raise that must end a
+		// backend fails, and nothing is raised.
+		c.pg.Exec(t, "GRANT pg_read_all_stats TO fence_owner")
+		app := schemaConnect(t, c.pg.URL("owned_app", db))
+		if got := mustBind(t, app, "owned", 3); got != 3 {
+			t.Fatalf("bind = %d, want 3", got)
+		}
+		_, err := testenv.Key.Raise(t.Context(), owner, "owned", 4)
+		// PostgreSQL 15 says "must be a member of the role whose process is being terminated
+		// or member of pg_signal_backend"; 16 says "permission denied to terminate process".
+		if pe := wantPgError(t, err, "42501", ""); !strings.Contains(pe.Message+pe.Detail, "pg_signal_backend") {
+			t.Errorf("the permission error does not name pg_signal_backend: %+v", pe)
+		}
+		if tok := storedToken(t, owner, "owned"); tok == nil || *tok != 3 {
+			t.Fatalf("after the failed raise the stored token is %v, want 3", tok)
+		}
+		if !alive(t, owner, app.PgConn().PID()) {
+			t.Fatal("the bound backend is gone after a failed raise")
+		}
+		c.pg.Exec(t, "GRANT pg_signal_backend TO fence_owner")
+		if got := mustRaise(t, owner, "owned", 4); got != 4 {
+			t.Fatalf("raise = %d, want 4", got)
+		}
+		if alive(t, owner, app.PgConn().PID()) {
+			t.Fatal("the backend bound to 3 survived the raise to 4")
+		}
+		wantEnded(t, app)
 	})
 
 	t.Run("cancelled while waiting", func(t *testing.T) {
@@ -280,478 +411,257 @@ func TestMigrate(t *testing.T) {
 	})
 }
 
-// TestFenceFunctions runs fence.raise and fence.check as the proxy does, from real concurrent
-// sessions, at every isolation level.
-func TestFenceFunctions(t *testing.T) {
+// version1Objects are the objects of schema versions 1 to 3 that version 4 drops, as
+// to_regprocedure, to_regclass or to_regnamespace arguments.
+var version1Objects = []struct{ kind, name string }{
+	{"procedure", "fence.check(text, bigint)"},
+	{"procedure", "fence.check_readonly()"},
+	{"procedure", "fence.reject(text, bigint)"},
+	{"procedure", "fence.reject_write()"},
+	{"procedure", "fence.mirror_token()"},
+	{"procedure", "fence.raise(text, bigint)"},
+	{"namespace", "fence_token"},
+}
+
+// version4Objects are the objects version 4 adds.
+var version4Objects = []struct{ kind, name string }{
+	{"class", "fence.keys"},
+	{"class", "fence.bindings"},
+	{"procedure", "fence.proof(text, text, bigint, integer)"},
+	{"procedure", "fence.verify(text, text, bigint, text)"},
+	{"procedure", "fence.end_stale(text, bigint, interval)"},
+	{"procedure", "fence.raise_locked(text, bigint)"},
+	{"procedure", "fence.bind(text, bigint, text)"},
+	{"procedure", "fence.raise(text, bigint, text)"},
+	{"procedure", "fence.reset(text, bigint)"},
+}
+
+func objectExists(t *testing.T, conn *pgx.Conn, kind, name string) bool {
+	t.Helper()
+	var ok bool
+	if err := conn.QueryRow(t.Context(), "SELECT to_reg"+kind+"($1) IS NOT NULL", name).Scan(&ok); err != nil {
+		t.Fatalf("to_reg%s(%s): %v", kind, name, err)
+	}
+	return ok
+}
+
+// wantVersion4Objects fails unless the database has version 4's objects and none of the
+// version-1 objects it drops: no commit-time check, no token mirror, no unproven raise.
+func wantVersion4Objects(t *testing.T, conn *pgx.Conn) {
+	t.Helper()
+	for _, o := range version1Objects {
+		if objectExists(t, conn, o.kind, o.name) {
+			t.Errorf("version 4 still has %s", o.name)
+		}
+	}
+	for _, o := range version4Objects {
+		if !objectExists(t, conn, o.kind, o.name) {
+			t.Errorf("version 4 has no %s", o.name)
+		}
+	}
+	if n := countRows(t, conn, "pg_trigger WHERE tgrelid = 'fence.tokens'::regclass AND NOT tgisinternal"); n != 0 {
+		t.Errorf("fence.tokens still has %d triggers", n)
+	}
+	if n := countRows(t, conn, "pg_class WHERE relkind = 'S' AND relnamespace = 'fence'::regnamespace AND relname <> 'goose_db_version_id_seq'"); n != 0 {
+		t.Errorf("the fence schema has %d sequences besides goose's", n)
+	}
+}
+
+// TestMigrateV4Upgrade: databases at every earlier schema version, with tokens stored through
+// version 1's fence.raise(text, bigint), upgrade to version 4 with their tokens kept and the
+// version-1 objects gone; from version 3 with a session live inside a checked transaction, the
+// migration waits for it and completes after it ends.
+func TestMigrateV4Upgrade(t *testing.T) {
 	c := startSchemaCluster(t)
-	url := c.migratedDB(t)
-	admin := schemaConnect(t, url)
-	schemaExec(t, admin, "CREATE TABLE charges (id serial PRIMARY KEY, who text NOT NULL)")
-	schemaExec(t, admin, "GRANT ALL ON TABLE charges, charges_id_seq TO PUBLIC")
-	db := url[strings.LastIndex(url, "/")+1 : strings.Index(url, "?")]
-	c.pg.CreateRole(t, "app", "")
-	appURL := c.pg.URL("app", db)
 
-	// Each subtest fences its own resource, so they may share the database.
-	t.Run("raise", func(t *testing.T) {
-		app := schemaConnect(t, appURL)
-		steps := []struct {
-			name  string
-			token int64
-			want  int64
-		}{
-			{"missing row is inserted", 33, 33},
-			{"equal keeps it", 33, 33},
-			{"lower keeps the stored one", 20, 33},
-			{"higher raises", 34, 34},
-			{"far higher raises", 1 << 62, 1 << 62},
-		}
-		for _, s := range steps {
-			t.Run(s.name, func(t *testing.T) {
-				if got := mustRaise(t, app, "raise", s.token); got != s.want {
-					t.Fatalf("raise(%d) = %d, want %d", s.token, got, s.want)
-				}
-			})
-		}
-		t.Run("malformed arguments are ZF004", func(t *testing.T) {
-			for _, q := range []string{
-				"SELECT fence.raise('raise', 0)",
-				"SELECT fence.raise('raise', -1)",
-				"SELECT fence.raise('raise', NULL)",
-				"SELECT fence.raise('Raise', 1)",
-				"SELECT fence.raise('raise''; --', 1)",
-				"SELECT fence.raise(NULL, 1)",
-			} {
-				_, err := app.Exec(t.Context(), q)
-				wantPgError(t, err, "ZF004", "malformed fencing")
+	for _, from := range []int64{1, 2, 3} {
+		t.Run(fmt.Sprintf("from version %d", from), func(t *testing.T) {
+			url := c.createDB(t)
+			if err := fence.MigrateTo(t.Context(), url, from); err != nil {
+				t.Fatalf("migrate to version %d: %v", from, err)
 			}
-		})
-	})
-
-	t.Run("check", func(t *testing.T) {
-		app := schemaConnect(t, appURL)
-		mustRaise(t, app, "check", 34)
-		tests := []struct {
-			name       string
-			token      int64
-			write      bool
-			wantCode   string
-			wantPrefix string
-		}{
-			{name: "current token commits", token: 34, write: true},
-			{name: "higher token commits", token: 35, write: true},
-			{name: "stale token is refused", token: 33, write: true, wantCode: "ZF001",
-				wantPrefix: `stale fencing token: resource "check" token 33 is lower than the highest admitted token 34`},
-			{name: "stale token may read", token: 33},
-		}
-		for _, tt := range tests {
-			t.Run(tt.name, func(t *testing.T) {
-				before := countRows(t, app, "charges")
-				tx, err := app.Begin(t.Context())
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer tx.Rollback(context.Background())
-				if tt.write {
-					schemaExec(t, app, "INSERT INTO charges (who) VALUES ('check')")
-				} else {
-					schemaExec(t, app, "SELECT count(*) FROM charges")
-				}
-				err = check(t.Context(), app, "check", tt.token)
-				if tt.wantCode == "" {
-					if err != nil {
-						t.Fatalf("check: %v", err)
-					}
-					if !tt.write {
-						var xid *string
-						if err := app.QueryRow(t.Context(), "SELECT pg_current_xact_id_if_assigned()::text").Scan(&xid); err != nil {
-							t.Fatal(err)
-						}
-						if xid != nil {
-							t.Fatalf("check of a read-only transaction assigned xid %s", *xid)
-						}
-					}
-					if err := tx.Commit(t.Context()); err != nil {
-						t.Fatalf("commit: %v", err)
-					}
-					want := before
-					if tt.write {
-						want++
-					}
-					if got := countRows(t, app, "charges"); got != want {
-						t.Fatalf("%d rows after commit, want %d", got, want)
-					}
-					return
-				}
-				pe := wantPgError(t, err, tt.wantCode, tt.wantPrefix)
-				if pe.Detail == "" || pe.Hint == "" {
-					t.Errorf("error without detail or hint: %+v", pe)
-				}
-				tx.Rollback(t.Context())
-				if got := countRows(t, app, "charges"); got != before {
-					t.Fatalf("%d rows after the refused commit, want %d", got, before)
-				}
-			})
-		}
-		t.Run("no row for the resource is refused", func(t *testing.T) {
-			tx, err := app.Begin(t.Context())
-			if err != nil {
-				t.Fatal(err)
+			conn := schemaConnect(t, url)
+			schemaExec(t, conn, "SELECT fence.raise('billing', 7)")
+			schemaExec(t, conn, "SELECT fence.raise('eu.billing-2', 3)")
+			schemaExec(t, conn, "SELECT fence.reset('zero', 0)")
+			applied, err := fence.Migrate(t.Context(), url)
+			if want := allVersions[from:]; err != nil || !slices.Equal(applied, want) {
+				t.Fatalf("upgrade applied %v, %v; want %v", applied, err, want)
 			}
-			defer tx.Rollback(context.Background())
-			schemaExec(t, app, "INSERT INTO charges (who) VALUES ('nobody')")
-			wantPgError(t, check(t.Context(), app, "never-raised", 5), "ZF001",
-				`stale fencing token: resource "never-raised" token 5 was not admitted`)
-		})
-	})
-
-	// The old leader's transaction wrote and stays open (frozen); the new leader raises from
-	// another session; then the old one wakes and tries to commit.
-	isolation := []struct {
-		level      pgx.TxIsoLevel
-		wantPrefix string
-	}{
-		{pgx.ReadCommitted, `stale fencing token: resource "%s" token 40 is lower than the highest admitted token 41`},
-		// The check reads the token's sequence, not through the snapshot (migration 3).
-		{pgx.RepeatableRead, `stale fencing token: resource "%s" token 40 is lower than the highest admitted token 41`},
-		{pgx.Serializable, `stale fencing token: resource "%s" token 40 is lower than the highest admitted token 41`},
-	}
-	for i, iso := range isolation {
-		t.Run("frozen old leader under "+string(iso.level), func(t *testing.T) {
-			resource := fmt.Sprintf("frozen-%d", i)
-			old := schemaConnect(t, appURL)
-			newer := schemaConnect(t, appURL)
-			mustRaise(t, old, resource, 40)
-
-			tx, err := old.BeginTx(t.Context(), pgx.TxOptions{IsoLevel: iso.level})
-			if err != nil {
-				t.Fatal(err)
+			for resource, want := range map[string]int64{"billing": 7, "eu.billing-2": 3, "zero": 0} {
+				if got := storedToken(t, conn, resource); got == nil || *got != want {
+					t.Errorf("after the upgrade the token of %s is %v, want %d", resource, got, want)
+				}
 			}
-			defer tx.Rollback(context.Background())
-			schemaExec(t, old, "INSERT INTO charges (who) VALUES ($1)", resource)
-
-			ctx, cancel := context.WithTimeout(t.Context(), 2*time.Second)
-			defer cancel()
-			began := time.Now()
-			if got, err := raise(ctx, newer, resource, 41); err != nil || got != 41 {
-				t.Fatalf("new leader's raise = %d, %v; want 41 within 2 s while the old transaction is open", got, err)
-			}
-			t.Logf("raise committed in %v while the old leader's transaction was open", time.Since(began))
-
-			pe := wantPgError(t, check(t.Context(), old, resource, 40), "ZF001", fmt.Sprintf(iso.wantPrefix, resource))
-			t.Logf("%s: %s", pe.Code, pe.Message)
-			tx.Rollback(t.Context())
-			if got := countRows(t, newer, "charges WHERE who = '"+resource+"'"); got != 0 {
-				t.Fatalf("the old leader's %d rows are visible", got)
-			}
+			wantVersion4Objects(t, conn)
 		})
 	}
 
-	t.Run("check waits for an in-flight raise", func(t *testing.T) {
-		for _, outcome := range []string{"COMMIT", "ROLLBACK"} {
-			t.Run(outcome, func(t *testing.T) {
-				resource := "inflight-" + strings.ToLower(outcome)
-				old := schemaConnect(t, appURL)
-				newer := schemaConnect(t, appURL)
-				mustRaise(t, old, resource, 50)
-
-				schemaExec(t, newer, "BEGIN")
-				mustRaise(t, newer, resource, 51)
-
-				tx, err := old.Begin(t.Context())
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer tx.Rollback(context.Background())
-				schemaExec(t, old, "INSERT INTO charges (who) VALUES ($1)", resource)
-				oldPID := old.PgConn().PID()
-				done := make(chan error, 1)
-				go func() { done <- check(t.Context(), old, resource, 50) }()
-
-				waitForLockWait(t, admin, oldPID)
-				schemaExec(t, newer, outcome)
-				select {
-				case err := <-done:
-					if outcome == "ROLLBACK" {
-						if err != nil {
-							t.Fatalf("check after the raise rolled back: %v", err)
-						}
-						return
-					}
-					wantPgError(t, err, "ZF001", fmt.Sprintf(`stale fencing token: resource "%s" token 50 is lower than the highest admitted token 51`, resource))
-				case <-time.After(10 * time.Second):
-					t.Fatal("check still blocked after the raise ended")
-				}
-			})
+	t.Run("from version 3 with a checked transaction open", func(t *testing.T) {
+		url := c.createDB(t)
+		if err := fence.MigrateTo(t.Context(), url, 3); err != nil {
+			t.Fatalf("migrate to version 3: %v", err)
 		}
-	})
+		admin := schemaConnect(t, url)
+		schemaExec(t, admin, "CREATE TABLE charges (id serial PRIMARY KEY, who text NOT NULL)")
+		schemaExec(t, admin, "GRANT ALL ON TABLE charges, charges_id_seq TO PUBLIC")
+		c.pg.Exec(t, "DO $$ BEGIN CREATE ROLE upgrade_app LOGIN; EXCEPTION WHEN duplicate_object THEN NULL; END $$")
+		appURL := c.pg.URL("upgrade_app", dbName(t, url))
+		// Version 3's raise, as a version-3 proxy admits its sessions.
+		var stored int64
+		if err := admin.QueryRow(t.Context(), "SELECT fence.raise('billing', 7)").Scan(&stored); err != nil || stored != 7 {
+			t.Fatalf("version 3 raise = %d, %v", stored, err)
+		}
+		schemaExec(t, admin, "SELECT fence.raise('payroll', 2)")
 
-	t.Run("raise waits for a checked transaction to commit", func(t *testing.T) {
-		// The check took its lock first: the old leader's commit is ordered before the new
-		// token's admission, and both succeed.
-		const resource = "ordered"
+		// A version-3 session: it wrote, and the check before its COMMIT passed; its COMMIT
+		// has not been sent yet. The check holds a lock on fence_token."billing".
 		old := schemaConnect(t, appURL)
-		newer := schemaConnect(t, appURL)
-		mustRaise(t, old, resource, 60)
-		tx, err := old.Begin(t.Context())
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer tx.Rollback(context.Background())
-		schemaExec(t, old, "INSERT INTO charges (who) VALUES ($1)", resource)
-		if err := check(t.Context(), old, resource, 60); err != nil {
-			t.Fatalf("check: %v", err)
-		}
+		schemaExec(t, old, "BEGIN")
+		schemaExec(t, old, "INSERT INTO charges (who) VALUES ('checked before the upgrade')")
+		schemaExec(t, old, "SELECT fence.check('billing', 7)")
+
 		type result struct {
-			stored int64
-			err    error
+			applied []int64
+			err     error
 		}
 		done := make(chan result, 1)
-		newerPID := newer.PgConn().PID()
 		go func() {
-			stored, err := raise(t.Context(), newer, resource, 61)
-			done <- result{stored, err}
+			applied, err := fence.Migrate(t.Context(), url)
+			done <- result{applied, err}
 		}()
-		waitForLockWait(t, admin, newerPID)
-		if err := tx.Commit(t.Context()); err != nil {
-			t.Fatalf("commit of the checked transaction: %v", err)
+		migrator := waitBlockedBy(t, admin, old.PgConn().PID())
+		var query string
+		if err := admin.QueryRow(t.Context(), "SELECT query FROM pg_stat_activity WHERE pid = $1", int32(migrator)).Scan(&query); err != nil {
+			t.Fatal(err)
 		}
-		r := <-done
-		if r.err != nil || r.stored != 61 {
-			t.Fatalf("raise = %d, %v; want 61", r.stored, r.err)
-		}
-		if got := countRows(t, old, "charges WHERE who = 'ordered'"); got != 1 {
-			t.Fatalf("%d rows committed, want 1", got)
-		}
-	})
+		t.Logf("the migration waits for the checked transaction in: %s", query)
 
-	t.Run("notifications", func(t *testing.T) {
-		const resource = "notified"
-		listener := schemaConnect(t, url)
-		schemaExec(t, listener, "LISTEN "+fence.Channel)
-		app := schemaConnect(t, appURL)
-		owner := schemaConnect(t, url)
-
-		mustRaise(t, app, resource, 7) // missing row: notifies
-		mustRaise(t, app, resource, 7) // equal: silent
-		mustRaise(t, app, resource, 6) // lower: silent
-		mustRaise(t, app, resource, 9) // higher: notifies
-		if _, err := owner.Exec(t.Context(), "SELECT fence.reset($1, $2)", resource, 2); err != nil {
-			t.Fatalf("reset: %v", err)
-		}
-		want := []string{"notified 7", "notified 9", "notified 2 reset"}
-		for _, w := range want {
-			ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
-			n, err := listener.WaitForNotification(ctx)
-			cancel()
-			if err != nil {
-				t.Fatalf("waiting for %q: %v", w, err)
-			}
-			if n.Channel != fence.Channel || n.Payload != w {
-				t.Fatalf("notification %s %q, want %s %q", n.Channel, n.Payload, fence.Channel, w)
-			}
-		}
-		ctx, cancel := context.WithTimeout(t.Context(), 200*time.Millisecond)
-		defer cancel()
-		if n, err := listener.WaitForNotification(ctx); err == nil {
-			t.Fatalf("unexpected notification %q", n.Payload)
-		}
-	})
-
-	t.Run("reset", func(t *testing.T) {
-		const resource = "reset"
-		app := schemaConnect(t, appURL)
-		mustRaise(t, app, resource, 30)
-		_, err := app.Exec(t.Context(), "SELECT fence.reset($1, $2)", resource, 1)
-		wantPgError(t, err, "42501", "permission denied")
-		var previous *int64
-		if err := admin.QueryRow(t.Context(), "SELECT fence.reset($1, $2)", resource, 3).Scan(&previous); err != nil {
-			t.Fatalf("reset: %v", err)
-		}
-		if previous == nil || *previous != 30 {
-			t.Fatalf("reset returned %v, want the previous token 30", previous)
-		}
-		if got := mustRaise(t, app, resource, 4); got != 4 {
-			t.Fatalf("raise after reset = %d, want 4", got)
-		}
-	})
-
-	t.Run("application role cannot write tokens", func(t *testing.T) {
-		app := schemaConnect(t, appURL)
-		for _, q := range []string{
-			"UPDATE fence.tokens SET token = 1",
-			"DELETE FROM fence.tokens",
-			"INSERT INTO fence.tokens (resource, token) VALUES ('x', 1)",
-			"SELECT * FROM fence.tokens FOR SHARE",
-			"CREATE FUNCTION fence.check(text, integer) RETURNS void LANGUAGE sql AS ''",
-			// The sequences fence.check reads (migration 3): readable, never movable.
-			`SELECT setval('fence_token."reset"', 1)`,
-			`SELECT nextval('fence_token."reset"')`,
-			"CREATE SEQUENCE fence_token.mine",
-			`SELECT fence.mirror_token()`,
-		} {
-			_, err := app.Exec(t.Context(), q)
-			wantPgError(t, err, "42501", "permission denied")
-		}
-		for _, q := range []string{
-			`ALTER SEQUENCE fence_token."reset" RESTART WITH 1`,
-			`DROP SEQUENCE fence_token."reset"`,
-		} {
-			_, err := app.Exec(t.Context(), q)
-			wantPgError(t, err, "42501", "must be owner of sequence reset")
-		}
-		var last int64
-		if err := app.QueryRow(t.Context(), `SELECT pg_sequence_last_value('fence_token."reset"')`).Scan(&last); err != nil || last != 4 {
-			t.Fatalf("application role reads the token's sequence: %d, %v; want 4 (the reset subtest's last raise)", last, err)
-		}
-		if n := countRows(t, app, "fence.tokens"); n == 0 {
-			t.Fatal("application role cannot read fence.tokens")
-		}
-	})
-
-	t.Run("check_readonly", func(t *testing.T) {
-		app := schemaConnect(t, appURL)
-		for _, write := range []bool{false, true} {
-			tx, err := app.Begin(t.Context())
-			if err != nil {
-				t.Fatal(err)
-			}
-			if write {
-				schemaExec(t, app, "INSERT INTO charges (who) VALUES ('readonly')")
-			} else {
-				schemaExec(t, app, "SELECT count(*) FROM charges")
-			}
-			_, err = app.Exec(t.Context(), fence.CheckReadOnlySQL())
-			if write {
-				wantPgError(t, err, "25006", "fenceproxy: this session is read-only (no fencing token)")
-			} else if err != nil {
-				t.Fatalf("check_readonly of a read-only transaction: %v", err)
-			}
-			tx.Rollback(t.Context())
-		}
-	})
-
-	t.Run("resource pattern agrees with the table's CHECK", func(t *testing.T) {
-		names := []string{
-			"a", "billing", "billing.eu-west_1", "a-", "a.", "a_", "z9",
-			"a" + strings.Repeat("b", 62), "a" + strings.Repeat("b", 63),
-			"", "A", "Billing", "1billing", "_a", "-a", ".a", "bill ing", "bill'ing", `bill"ing`,
-			"bill\\ing", "billing\n", "\nbilling", "billé", "bıll", "billing;", "ａ",
-		}
-		for _, name := range names {
-			var ok bool
-			err := admin.QueryRow(t.Context(),
-				`SELECT $1::text COLLATE "C" ~ '^[a-z][a-z0-9_.-]{0,62}$'`, name).Scan(&ok)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if got := fence.ValidResource(name); got != ok {
-				t.Errorf("ValidResource(%q) = %t, PostgreSQL says %t", name, got, ok)
-			}
-			if ok {
-				if got := mustRaise(t, admin, name, 1); got != 1 {
-					t.Errorf("raise(%q) = %d", name, got)
+		// Another version-3 session arrives while the migration waits: its check waits
+		// behind the migration and fails closed after it, with its write rolled back.
+		late := schemaConnect(t, appURL)
+		lateDone := make(chan error, 1)
+		go func() {
+			lateDone <- func() error {
+				tx, err := late.Begin(t.Context())
+				if err != nil {
+					return err
 				}
+				defer tx.Rollback(context.Background()) //nolint:errcheck // after a failure, to end it
+				if _, err := tx.Exec(t.Context(), "INSERT INTO charges (who) VALUES ('checked during the upgrade')"); err != nil {
+					return err
+				}
+				if _, err := tx.Exec(t.Context(), "SELECT fence.check('billing', 7)"); err != nil {
+					return err
+				}
+				return tx.Commit(t.Context())
+			}()
+		}()
+
+		select {
+		case r := <-done:
+			t.Fatalf("Migrate returned %v, %v while a checked transaction was open", r.applied, r.err)
+		case err := <-lateDone:
+			t.Fatalf("a version-3 check during the migration returned %v before the migration ended", err)
+		case <-time.After(300 * time.Millisecond):
+		}
+
+		// The checked transaction commits: version 3 admitted it, and it commits before the
+		// upgrade does.
+		schemaExec(t, old, "COMMIT")
+		var r result
+		select {
+		case r = <-done:
+		case <-time.After(30 * time.Second):
+			t.Fatal("Migrate did not complete within 30 s of the checked transaction's end")
+		}
+		if r.err != nil || !slices.Equal(r.applied, []int64{4}) {
+			t.Fatalf("upgrade applied %v, %v; want [4]", r.applied, r.err)
+		}
+		select {
+		case err := <-lateDone:
+			if err == nil {
+				t.Fatal("a version-3 check that waited for the migration committed after it")
+			}
+			t.Logf("the version-3 check that waited for the migration failed: %v", err)
+		case <-time.After(30 * time.Second):
+			t.Fatal("the version-3 check that waited for the migration is still blocked")
+		}
+		if n := countRows(t, admin, "charges WHERE who = 'checked before the upgrade'"); n != 1 {
+			t.Fatalf("the checked transaction left %d rows, want 1", n)
+		}
+		if n := countRows(t, admin, "charges WHERE who = 'checked during the upgrade'"); n != 0 {
+			t.Fatalf("the check that waited for the migration left %d rows, want 0", n)
+		}
+
+		// Afterwards: the tokens kept, version 1's objects gone, its calls fail.
+		for resource, want := range map[string]int64{"billing": 7, "payroll": 2} {
+			if got := storedToken(t, admin, resource); got == nil || *got != want {
+				t.Errorf("after the upgrade the token of %s is %v, want %d", resource, got, want)
 			}
 		}
+		wantVersion4Objects(t, admin)
+		app := schemaConnect(t, appURL)
+		_, err := app.Exec(t.Context(), "SELECT fence.raise('billing', 8)")
+		wantPgError(t, err, "42883", "function fence.raise(unknown, integer) does not exist")
+		_, err = app.Exec(t.Context(), "SELECT fence.check('billing', 7)")
+		wantPgError(t, err, "42883", "function fence.check(unknown, integer) does not exist")
+		if got := storedToken(t, admin, "billing"); got == nil || *got != 7 {
+			t.Fatalf("the old raise moved the token to %v", got)
+		}
+
+		// Bind works with the key; the stored tokens hold.
+		if err := fence.SetKey(t.Context(), url, testenv.Key); err != nil {
+			t.Fatalf("SetKey: %v", err)
+		}
+		if got := mustBind(t, app, "billing", 7); got != 7 {
+			t.Fatalf("bind with the stored token = %d, want 7", got)
+		}
+		_, err = bind(t.Context(), schemaConnect(t, appURL), testenv.Key, "billing", 6)
+		wantPgError(t, err, fence.CodeStale, `stale fencing token: resource "billing" token 6 is lower than the highest admitted token 7`)
+		if got := mustBind(t, schemaConnect(t, appURL), "billing", 8); got != 8 {
+			t.Fatalf("bind with a higher token = %d, want 8", got)
+		}
+		wantEnded(t, app) // bound to 7
+		_, err = bind(t.Context(), schemaConnect(t, appURL), fence.Key("another key, not the stored one"), "payroll", 2)
+		wantPgError(t, err, fence.CodeProof, "fencing proof invalid")
 	})
 }
 
-// waitForLockWait waits until the backend pid waits for a lock. conn must not be inside a
-// transaction: pg_stat_activity is read once per transaction.
-func waitForLockWait(t *testing.T, conn *pgx.Conn, pid uint32) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for time.Now().Before(deadline) {
-		var waiting bool
-		err := conn.QueryRow(t.Context(),
-			"SELECT coalesce(wait_event_type = 'Lock', false) FROM pg_stat_activity WHERE pid = $1", int32(pid)).Scan(&waiting)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if waiting {
-			return
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	t.Fatalf("backend %d never waited for a lock", pid)
-}
-
-// allVersions are the embedded migrations, in order.
-var allVersions = []int64{1, 2, 3}
-
-// TestMigrateV3Upgrade: a database with tokens stored under schema version 2 gets the token
-// sequences that version 3's check reads, with the stored tokens; version 3's Down goes back
-// to version 2's check, which refuses stale tokens again, and Up again restores version 3.
-func TestMigrateV3Upgrade(t *testing.T) {
+// TestMigrateV4Down: version 4 cannot be migrated down; the attempt fails and leaves the
+// schema at version 4, fencing intact.
+func TestMigrateV4Down(t *testing.T) {
 	c := startSchemaCluster(t)
-	url := c.createDB(t)
-	if err := fence.MigrateTo(t.Context(), url, 2); err != nil {
-		t.Fatalf("migrate to version 2: %v", err)
-	}
+	url := c.migratedDB(t)
 	conn := schemaConnect(t, url)
-	schemaExec(t, conn, "CREATE TABLE charges (id serial PRIMARY KEY, who text)")
-	mustRaise(t, conn, "billing", 7)
-	mustRaise(t, conn, "eu.billing-2", 3)
-	schemaExec(t, conn, "SELECT fence.reset('zero', 0)")
+	mustRaise(t, conn, "billing", 5)
 
-	mirror := func(resource string) *int64 {
-		t.Helper()
-		var v *int64
-		if err := conn.QueryRow(t.Context(),
-			"SELECT pg_sequence_last_value(to_regclass('fence_token.' || quote_ident($1)))", resource).Scan(&v); err != nil {
-			t.Fatalf("read the mirror of %s: %v", resource, err)
+	for _, to := range []int64{3, 0} {
+		err := fence.MigrateTo(t.Context(), url, to)
+		if err == nil {
+			t.Fatalf("migrating version 4 down to %d succeeded", to)
 		}
-		return v
-	}
-	// checkedInsert runs a write and the check of resource and token in one transaction.
-	checkedInsert := func(resource string, token int64) error {
-		tx, err := conn.Begin(t.Context())
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer tx.Rollback(context.Background()) //nolint:errcheck
-		if _, err := tx.Exec(t.Context(), "INSERT INTO charges (who) VALUES ($1)", resource); err != nil {
-			t.Fatal(err)
-		}
-		if _, err := tx.Exec(t.Context(), "SELECT fence.check($1, $2)", resource, token); err != nil {
-			return err
-		}
-		return tx.Commit(t.Context())
-	}
-
-	if applied, err := fence.Migrate(t.Context(), url); err != nil || !slices.Equal(applied, []int64{3}) {
-		t.Fatalf("upgrade applied %v, %v; want [3]", applied, err)
-	}
-	for resource, want := range map[string]int64{"billing": 7, "eu.billing-2": 3, "zero": 0} {
-		if got := mirror(resource); got == nil || *got != want {
-			t.Fatalf("after the upgrade the mirror of %s is %v, want %d", resource, got, want)
+		if !strings.Contains(err.Error(), "fence schema version 4 cannot be migrated down") {
+			t.Errorf("down to %d: %v, want the migration's own message", to, err)
 		}
 	}
-	if err := checkedInsert("billing", 7); err != nil {
-		t.Fatalf("version 3: the stored token passes: %v", err)
+	states, err := fence.MigrationStatus(t.Context(), url)
+	if err != nil {
+		t.Fatal(err)
 	}
-	wantPgError(t, checkedInsert("billing", 6), fence.CodeStale, `stale fencing token: resource "billing" token 6 is lower than the highest admitted token 7`)
-	wantPgError(t, checkedInsert("eu.billing-2", 2), fence.CodeStale, "stale fencing token")
-
-	if err := fence.MigrateTo(t.Context(), url, 2); err != nil {
-		t.Fatalf("down to version 2: %v", err)
+	for _, s := range states {
+		if !s.Applied {
+			t.Errorf("after the failed down migration, %d (%s) is not applied", s.Version, s.Name)
+		}
 	}
-	var schemaLeft bool
-	if err := conn.QueryRow(t.Context(), "SELECT to_regnamespace('fence_token') IS NOT NULL").Scan(&schemaLeft); err != nil || schemaLeft {
-		t.Fatalf("after Down, fence_token still exists: %v %v", schemaLeft, err)
+	wantVersion4Objects(t, conn)
+	if got := storedToken(t, conn, "billing"); got == nil || *got != 5 {
+		t.Fatalf("after the failed down migration the token is %v, want 5", got)
 	}
-	mustRaise(t, conn, "billing", 8) // under version 2, no mirror
-	if err := checkedInsert("billing", 8); err != nil {
-		t.Fatalf("version 2 after Down: the stored token passes: %v", err)
+	if got := mustBind(t, schemaConnect(t, url), "billing", 5); got != 5 {
+		t.Fatalf("bind after the failed down migration = %d", got)
 	}
-	wantPgError(t, checkedInsert("billing", 7), fence.CodeStale, "stale fencing token")
-
-	if applied, err := fence.Migrate(t.Context(), url); err != nil || !slices.Equal(applied, []int64{3}) {
-		t.Fatalf("up again applied %v, %v; want [3]", applied, err)
+	if applied, err := fence.Migrate(t.Context(), url); err != nil || len(applied) != 0 {
+		t.Fatalf("Migrate after the failed down migration = %v, %v; want nothing to apply", applied, err)
 	}
-	if got := mirror("billing"); got == nil || *got != 8 {
-		t.Fatalf("after Up again the mirror of billing is %v, want 8", got)
-	}
-	wantPgError(t, checkedInsert("billing", 7), fence.CodeStale, "stale fencing token")
 }

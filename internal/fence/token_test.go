@@ -4,6 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"reflect"
+	"sync"
+	"sync/atomic"
 	"testing"
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
@@ -77,44 +79,204 @@ func TestRegistry(t *testing.T) {
 	r := fence.NewRegistry()
 	var stale []int64
 	var blocked []*fence.Error
-	sub := r.Subscribe("billing", 5, fence.Handler{
+	sub := r.Subscribe("app", "billing", 5, fence.Handler{
 		Stale:   func(a int64) { stale = append(stale, a) },
 		Blocked: func(e *fence.Error) { blocked = append(blocked, e) },
 	})
-	r.Observe("billing", 4)
-	r.Observe("billing", 5)
+	r.Observe("app", "billing", 4)
+	r.Observe("app", "billing", 5)
 	if len(stale) != 0 {
 		t.Fatal("not stale at equal or lower tokens")
 	}
-	r.Observe("billing", 7)
-	r.Observe("billing", 8)
+	r.Observe("app", "billing", 7)
+	r.Observe("app", "billing", 8)
 	if !reflect.DeepEqual(stale, []int64{7}) {
 		t.Fatalf("stale called %v, want once with 7", stale)
 	}
-	if r.Highest("billing") != 8 || r.Highest("payroll") != 0 {
+	if r.Highest("app", "billing") != 8 || r.Highest("app", "payroll") != 0 {
 		t.Fatal("Highest")
 	}
 	nh := fence.NotHeld("billing", 8)
 	r.Block("billing", nh)
+	if r.Blocked("billing") != nh {
+		t.Fatal("Blocked")
+	}
+	r.Block("billing", nh) // the same error again: nobody is told twice
 	r.Block("billing", nil)
 	if len(blocked) != 2 || blocked[0] != nh || blocked[1] != nil {
 		t.Fatalf("blocked %v", blocked)
 	}
-	r.Reset("billing", 2)
-	if r.Highest("billing") != 2 {
+	r.Reset("app", "billing", 2)
+	if r.Highest("app", "billing") != 2 {
 		t.Fatal("Reset")
 	}
+	if r.Sessions("billing") != 1 {
+		t.Fatalf("Sessions = %d, want 1", r.Sessions("billing"))
+	}
 	sub.Close()
+	sub.Close() // idempotent
 	if r.Sessions("billing") != 0 {
 		t.Fatal("Close")
 	}
+	var nilSub *fence.Subscription
+	nilSub.Close() // a session that never subscribed
 	// A late subscriber with an old token hears it at once.
 	var late int64
-	r.Observe("payroll", 9)
-	r.Subscribe("payroll", 3, fence.Handler{Stale: func(a int64) { late = a }}).Close()
+	r.Observe("app", "payroll", 9)
+	r.Subscribe("app", "payroll", 3, fence.Handler{Stale: func(a int64) { late = a }}).Close()
 	if late != 9 {
 		t.Fatalf("late subscriber: %d", late)
 	}
+	// And of a block at once.
+	r.Block("payroll", nh)
+	var lateBlocked *fence.Error
+	r.Subscribe("app", "payroll", 9, fence.Handler{Blocked: func(e *fence.Error) { lateBlocked = e }}).Close()
+	if lateBlocked != nh {
+		t.Fatalf("late subscriber of a blocked resource: %v", lateBlocked)
+	}
+}
+
+// TestRegistryDatabases: every database has its own fence schema, so a raise observed in one
+// never makes a session of another stale; an observation for database "" (what Consul says)
+// applies to every database.
+func TestRegistryDatabases(t *testing.T) {
+	type observation struct {
+		database string
+		token    int64
+	}
+	type session struct {
+		database string
+		token    int64
+	}
+	sessions := []session{{"a", 5}, {"b", 5}, {"c", 7}}
+	tests := []struct {
+		name    string
+		observe []observation
+		want    []int64          // per session: the token its Stale heard (0: not told)
+		highest map[string]int64 // per database, afterwards
+	}{
+		{"raise in a", []observation{{"a", 6}},
+			[]int64{6, 0, 0}, map[string]int64{"a": 6, "b": 0, "c": 0, "d": 0}},
+		{"far higher raise in b", []observation{{"b", 1 << 40}},
+			[]int64{0, 1 << 40, 0}, map[string]int64{"a": 0, "b": 1 << 40, "c": 0}},
+		{"raises in every database but their own", []observation{{"b", 9}, {"c", 9}, {"d", 9}},
+			[]int64{0, 9, 9}, map[string]int64{"a": 0, "b": 9, "c": 9, "d": 9}},
+		{"lower and equal raises", []observation{{"a", 5}, {"b", 4}, {"c", 7}},
+			[]int64{0, 0, 0}, map[string]int64{"a": 5, "b": 4, "c": 7}},
+		{"every database", []observation{{"", 6}},
+			[]int64{6, 6, 0}, map[string]int64{"a": 6, "b": 6, "c": 6, "d": 6}},
+		{"every database, then higher in one", []observation{{"", 6}, {"c", 8}},
+			[]int64{6, 6, 8}, map[string]int64{"a": 6, "b": 6, "c": 8, "d": 6}},
+		{"one database, then lower for every database", []observation{{"a", 9}, {"", 8}},
+			[]int64{9, 8, 8}, map[string]int64{"a": 9, "b": 8, "c": 8, "d": 8}},
+		{"Stale is told once, with the first higher token", []observation{{"a", 6}, {"", 10}, {"a", 11}},
+			[]int64{6, 10, 10}, map[string]int64{"a": 11, "b": 10, "c": 10}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r := fence.NewRegistry()
+			got := make([]int64, len(sessions))
+			calls := make([]int, len(sessions))
+			for i, s := range sessions {
+				sub := r.Subscribe(s.database, "billing", s.token, fence.Handler{Stale: func(a int64) { got[i] = a; calls[i]++ }})
+				defer sub.Close()
+			}
+			// A session of another resource in the same database is never told.
+			r.Subscribe("a", "payroll", 1, fence.Handler{Stale: func(a int64) { t.Errorf("payroll session told %d", a) }}).Close()
+			other := r.Subscribe("a", "payroll", 1, fence.Handler{Stale: func(a int64) { t.Errorf("payroll session told %d", a) }})
+			defer other.Close()
+			for _, o := range tt.observe {
+				r.Observe(o.database, "billing", o.token)
+			}
+			if !reflect.DeepEqual(got, tt.want) {
+				t.Errorf("sessions heard %v, want %v", got, tt.want)
+			}
+			for i, n := range calls {
+				if n > 1 {
+					t.Errorf("session %d told %d times", i, n)
+				}
+			}
+			for db, want := range tt.highest {
+				if h := r.Highest(db, "billing"); h != want {
+					t.Errorf("Highest(%q) = %d, want %d", db, h, want)
+				}
+			}
+			if h := r.Highest("a", "payroll"); h != 0 {
+				t.Errorf("payroll's Highest = %d", h)
+			}
+		})
+	}
+
+	t.Run("late subscribers", func(t *testing.T) {
+		r := fence.NewRegistry()
+		r.Observe("a", "billing", 10)
+		r.Observe("", "billing", 6)
+		for _, s := range []struct {
+			database string
+			token    int64
+			want     int64
+		}{
+			{"a", 9, 10}, {"a", 10, 0},
+			{"b", 5, 6}, {"b", 6, 0}, {"b", 9, 0},
+		} {
+			var heard int64
+			r.Subscribe(s.database, "billing", s.token, fence.Handler{Stale: func(a int64) { heard = a }}).Close()
+			if heard != s.want {
+				t.Errorf("subscriber of %q with %d heard %d, want %d", s.database, s.token, heard, s.want)
+			}
+		}
+	})
+
+	t.Run("reset", func(t *testing.T) {
+		r := fence.NewRegistry()
+		r.Observe("a", "billing", 10)
+		r.Observe("b", "billing", 20)
+		r.Observe("", "billing", 15)
+		// fence.reset in database a: a's token is set, even lower; b keeps its own; what
+		// Consul said is forgotten (the operator's way out of a LockIndex regression).
+		r.Reset("a", "billing", 3)
+		for db, want := range map[string]int64{"a": 3, "b": 20, "c": 0} {
+			if h := r.Highest(db, "billing"); h != want {
+				t.Errorf("after Reset, Highest(%q) = %d, want %d", db, h, want)
+			}
+		}
+		var heard int64
+		r.Subscribe("a", "billing", 3, fence.Handler{Stale: func(a int64) { heard = a }}).Close()
+		if heard != 0 {
+			t.Errorf("a session with the reset token heard %d", heard)
+		}
+	})
+
+	t.Run("concurrent", func(t *testing.T) {
+		// For the race detector: sessions come and go while raises arrive for every database.
+		r := fence.NewRegistry()
+		var wg sync.WaitGroup
+		var told atomic.Int64
+		for w := range 4 {
+			db := fmt.Sprintf("db%d", w%2)
+			wg.Go(func() {
+				for i := range 200 {
+					sub := r.Subscribe(db, "billing", int64(i), fence.Handler{Stale: func(int64) { told.Add(1) }})
+					r.Observe(db, "billing", int64(i+1))
+					if i%50 == 0 {
+						r.Observe("", "billing", int64(i))
+					}
+					_ = r.Highest(db, "billing")
+					sub.Close()
+				}
+			})
+		}
+		wg.Wait()
+		if told.Load() == 0 {
+			t.Fatal("no session was told")
+		}
+		if h := r.Highest("db0", "billing"); h != 200 {
+			t.Fatalf("Highest = %d, want 200", h)
+		}
+		if n := r.Sessions("billing"); n != 0 {
+			t.Fatalf("%d sessions left", n)
+		}
+	})
 }
 
 func TestParsePayload(t *testing.T) {
