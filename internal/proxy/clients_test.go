@@ -11,7 +11,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fenceproxy/fenceproxy/internal/fence"
 	"github.com/fenceproxy/fenceproxy/internal/proxy"
 	"github.com/fenceproxy/fenceproxy/internal/testenv"
 )
@@ -108,9 +107,7 @@ func testPsqlOptions(t *testing.T, s *suite) {
 	pg := s.pg
 	pg.Exec(t, "CREATE DATABASE fenced")
 	fenced := pg.URLWithPassword(testenv.AdminUser, testenv.AdminPassword, "fenced")
-	if _, err := fence.Migrate(ctxT(t), fenced); err != nil {
-		t.Fatal(err)
-	}
+	testenv.Migrate(t, fenced)
 	admin := connect(t, fenced)
 	mustExec(t, admin, "CREATE TABLE runs (id serial PRIMARY KEY, token int NOT NULL)")
 	p := testenv.StartProxy(t, pg, proxy.Config{Resources: []string{"billing"}})

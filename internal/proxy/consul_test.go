@@ -2,6 +2,7 @@ package proxy_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"strings"
@@ -16,6 +17,7 @@ import (
 	"github.com/fenceproxy/fenceproxy/internal/fence"
 	"github.com/fenceproxy/fenceproxy/internal/proxy"
 	"github.com/fenceproxy/fenceproxy/internal/testenv"
+	"github.com/fenceproxy/fenceproxy/internal/wire"
 )
 
 // consulLock acquires key with a fresh Consul session and returns the
@@ -67,6 +69,7 @@ func startConsulProxy(t *testing.T, mod ...func(*proxy.Config)) *consulSetup {
 		Resources:       []string{"billing=locks/billing"},
 		ConsulAddr:      s.consul.Addr,
 		ControlDatabase: s.pg.AdminURL(),
+		Key:             testenv.Key, // the Guard's proactive raise needs the proof
 	}
 	for _, m := range mod {
 		m(&cfg)
@@ -158,8 +161,9 @@ func TestConsulAdmission(t *testing.T) {
 }
 
 // TestConsulLeaderChange: when Consul hands the lock over, the proxy raises
-// the new token before the new leader connects; the old leader's in-flight
-// query is cancelled, its next write refused, and its session closed.
+// the new token before the new leader connects; the raise ends the old
+// leader's sessions (the one in a query in a transaction, and the idle one),
+// and the proxy tells them ZF001.
 func TestConsulLeaderChange(t *testing.T) {
 	s := startConsulProxy(t)
 	sess1, tok1 := consulLock(t, s.client, "locks/billing")
@@ -172,7 +176,7 @@ func TestConsulLeaderChange(t *testing.T) {
 		_, err := old.Exec(context.Background(), "SELECT pg_sleep(30)")
 		inflight <- err
 	}()
-	time.Sleep(200 * time.Millisecond)
+	waitActive(t, s.admin, old.PgConn().PID(), "pg_sleep")
 
 	// The old holder's session ends (as if its TTL expired); another takes over.
 	if _, err := s.client.Session().Destroy(sess1, nil); err != nil {
@@ -189,17 +193,23 @@ func TestConsulLeaderChange(t *testing.T) {
 		}
 		return nil
 	})
+	// It committed once the old backends had exited.
+	if n := count(t, s.admin, "SELECT count(*) FROM fence.bindings b JOIN pg_stat_activity a USING (pid, backend_start) WHERE b.resource = 'billing' AND b.token < $1", tok2); n != 0 {
+		t.Fatalf("%d backends of the old token outlived the raise", n)
+	}
 	select {
 	case err := <-inflight:
 		wantStale(t, err)
 	case <-time.After(15 * time.Second):
-		t.Fatal("in-flight query of the old leader was not cancelled")
+		t.Fatal("in-flight query of the old leader was not ended")
 	}
-	// The idle old session was closed, telling why.
+	// The idle old session was ended, told why.
 	_, err := idle.Exec(ctxT(t), "INSERT INTO items(tag) VALUES ('old-idle')")
-	if err == nil {
-		t.Fatal("old idle session still writes")
+	if pe := pgErrorOf(err); err == nil || pe != nil && pe.Code != fence.CodeStale {
+		t.Fatalf("old idle session: want ZF001 or a closed connection, got %v", err)
 	}
+	wantSessionOver(t, old, fence.CodeStale)
+	wantSessionOver(t, idle, fence.CodeStale)
 	if n := count(t, s.admin, "SELECT count(*) FROM items WHERE tag LIKE 'old-%'"); n != 0 {
 		t.Fatalf("%d writes of the old leader committed", n)
 	}
@@ -210,7 +220,8 @@ func TestConsulLeaderChange(t *testing.T) {
 }
 
 // TestConsulRegression covers every way LockIndex goes backwards: the
-// resource fails closed with ZF007 and says why.
+// resource fails closed with ZF007 and says why, ending the sessions it
+// admitted at their next message.
 func TestConsulRegression(t *testing.T) {
 	cases := []struct {
 		name string
@@ -259,7 +270,9 @@ func TestConsulRegression(t *testing.T) {
 			s := startConsulProxy(t)
 			holder, tok := consulLock(t, s.client, "locks/billing")
 			var c *pgx.Conn
+			var admitted int64 // the token c was admitted with
 			tc.regress(t, s.client, holder, tok, func(tok int64) {
+				admitted = tok
 				eventually(t, "admitted", func() error {
 					var err error
 					c, err = pgx.Connect(ctxT(t), s.url(tok))
@@ -268,16 +281,31 @@ func TestConsulRegression(t *testing.T) {
 				t.Cleanup(func() { c.Close(context.Background()) })
 				mustExec(t, c, "INSERT INTO items(tag) VALUES ('before')")
 			})
-			// Existing sessions are blocked, new ones refused, with ZF007.
+			// The session it admitted is ended at its next message once the
+			// resource is blocked (ZF007, as the ERROR that answers it; or
+			// ZF006 when the watch saw the lock free on the way, as when the
+			// key is deleted first), then closed.
 			attempt := 0
+			var err error
 			eventually(t, "existing session blocked", func() error {
 				attempt++
-				_, err := c.Exec(ctxT(t), "INSERT INTO items(tag) VALUES ($1)", fmt.Sprint("after-", attempt))
-				if sqlstate(err) != fence.CodeUnavailable {
-					return fmt.Errorf("write: %v", err)
+				if _, err = c.Exec(ctxT(t), "INSERT INTO items(tag) VALUES ($1)", fmt.Sprint("after-", attempt)); err == nil {
+					return errors.New("the write went through")
 				}
-				if !strings.Contains(err.Error(), "went backwards") {
-					return fmt.Errorf("message does not say why: %v", err)
+				return nil
+			})
+			switch pe := pgErrorOf(err); {
+			case pe == nil || pe.Severity != wire.SeverityError || pe.Code != fence.CodeUnavailable && pe.Code != fence.CodeNotHeld:
+				t.Fatalf("write: want ERROR %s, got %v", fence.CodeUnavailable, err)
+			case pe.Code == fence.CodeUnavailable && !strings.Contains(pe.Message, "went backwards"):
+				t.Fatalf("message does not say why: %v", err)
+			}
+			wantSessionOver(t, c, pgErrorOf(err).Code)
+			// New sessions are refused with ZF007, saying why.
+			eventually(t, "new sessions refused", func() error {
+				err := connectErr(s.url(admitted))
+				if sqlstate(err) != fence.CodeUnavailable || !strings.Contains(err.Error(), "went backwards") {
+					return fmt.Errorf("got %v", err)
 				}
 				return nil
 			})
@@ -305,7 +333,7 @@ func TestConsulRegression(t *testing.T) {
 }
 
 // TestConsulOutageUnderLoad: while Consul is down, admitted sessions keep
-// writing (the database check orders them) and new sessions are refused with
+// writing (their backends are bound: a raise would still end them) and new sessions are refused with
 // ZF007; after Consul comes back, new sessions are admitted again.
 func TestConsulOutageUnderLoad(t *testing.T) {
 	s := startConsulProxy(t)

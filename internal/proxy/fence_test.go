@@ -13,6 +13,7 @@ import (
 	"github.com/fenceproxy/fenceproxy/internal/fence"
 	"github.com/fenceproxy/fenceproxy/internal/proxy"
 	"github.com/fenceproxy/fenceproxy/internal/testenv"
+	"github.com/fenceproxy/fenceproxy/internal/wire"
 )
 
 // A writePath writes rows tagged tag through conn, one way a client can
@@ -24,6 +25,9 @@ type writePath struct {
 	write func(ctx context.Context, conn *pgx.Conn, tag string, raise func()) error
 	// written reports whether rows (or objects) tagged tag exist; nil: items rows.
 	written func(t *testing.T, admin querier, tag string) bool
+	// serial: the path runs alone, not in parallel with the others (a
+	// prepared transaction anywhere in the database makes every raise fail).
+	serial bool
 }
 
 func simple(ctx context.Context, conn *pgx.Conn, sql string) error {
@@ -76,7 +80,7 @@ var writePaths = []writePath{
 			return err
 		}
 		return simple(ctx, c, "COMMIT PREPARED '"+gid+"'")
-	}},
+	}, serial: true},
 	{name: "extended autocommit", write: func(ctx context.Context, c *pgx.Conn, tag string, raise func()) error {
 		raise()
 		_, err := c.Exec(ctx, "INSERT INTO items(tag) VALUES ($1)", tag)
@@ -161,9 +165,8 @@ var writePaths = []writePath{
 		return pipelineResults(p)
 	}},
 	{name: "extended write after COMMIT in one unit", write: func(ctx context.Context, c *pgx.Conn, tag string, raise func()) error {
-		// The empty block's COMMIT passes its check (nothing written); the
-		// write after it runs in the implicit transaction that the Sync
-		// commits, which needs a check of its own.
+		// The write after the empty block runs in the implicit transaction
+		// that the Sync commits.
 		raise()
 		p := c.PgConn().StartPipeline(ctx)
 		p.SendQueryParams("BEGIN", nil, nil, nil, nil)
@@ -254,11 +257,14 @@ func pipelineResults(p *pgconn.Pipeline) error {
 }
 
 // TestStaleWritesNeverCommit runs every write path under an old token
-// while a newer one is raised, in two set-ups: "database check", where the
-// old session's proxy never hears of the raise (separate proxy instances, no
-// LISTEN), so only fence.check stands between the stale write and its
-// commit; and "early refusal", where the old session's proxy learns of the
-// raise by LISTEN and refuses or cancels before the database does.
+// while a newer one is raised through another proxy instance, in two set-ups:
+// "database ends it", where the old session's proxy never hears of the raise
+// (no LISTEN), so only the database stands between the stale write and its
+// commit: the raise ends the old session's backend before it commits, and the
+// client sees the server's FATAL 57P01; and "proxy learns of it", where the
+// old session's proxy hears of the raise by LISTEN and tells the client ZF001.
+// Either way the stale session is over and nothing it sends after the raise
+// commits.
 func TestStaleWritesNeverCommit(t *testing.T) {
 	pg, admin := fencedDB(t)
 	setupWritePaths(t, admin)
@@ -266,7 +272,8 @@ func TestStaleWritesNeverCommit(t *testing.T) {
 	setups := []struct {
 		name   string
 		listen bool
-	}{{"database check", false}, {"early refusal", true}}
+		code   string // what the stale session's client is told
+	}{{"database ends it", false, wire.CodeAdminShutdown}, {"proxy learns of it", true, fence.CodeStale}}
 	for _, setup := range setups {
 		t.Run(setup.name, func(t *testing.T) {
 			cfgA := proxy.Config{Resources: names}
@@ -292,7 +299,9 @@ func TestStaleWritesNeverCommit(t *testing.T) {
 				res := names[i]
 				prefix := strings.ReplaceAll(setup.name, " ", "") + fmt.Sprint(i)
 				t.Run(p.name, func(t *testing.T) {
-					t.Parallel()
+					if !p.serial {
+						t.Parallel()
+					}
 					written := p.written
 					if written == nil {
 						written = func(t *testing.T, admin querier, tag string) bool {
@@ -315,19 +324,17 @@ func TestStaleWritesNeverCommit(t *testing.T) {
 					raised := false
 					err := p.write(ctx, oldConn, prefix+"stale", func() {
 						raised = true
-						newConn := connect(t, b.FenceURL("app", "postgres", res, base+2))
+						// The bind of the higher token raises it: it ends the
+						// old session's backend before it commits.
+						connect(t, b.FenceURL("app", "postgres", res, base+2))
 						if setup.listen {
-							waitStale(t, a, res, base+2)
+							waitStale(t, a, "postgres", res, base+2)
 						}
-						_ = newConn
 					})
 					if !raised {
 						t.Fatal("path did not call raise")
 					}
-					wantStale(t, err)
-					if st := oldConn.PgConn().TxStatus(); st != 'I' && p.name != "simple COMMIT AND CHAIN" {
-						t.Errorf("after the rejection the session is in state %q, want idle", st)
-					}
+					wantEnded(t, oldConn, err, setup.code)
 					if written(t, admin, prefix+"stale") {
 						t.Fatal("a write of the stale token committed")
 					}
@@ -345,10 +352,39 @@ func TestStaleWritesNeverCommit(t *testing.T) {
 	}
 }
 
-func waitStale(t *testing.T, p *testenv.Proxy, res string, tok int64) {
+// wantEnded checks that err is how a stale session's write failed: the
+// session was ended with an error of SQLSTATE code (a FATAL, or for ZF001 the
+// ERROR with which the proxy answers the unit the client was waiting for when
+// it learned of the raise), or the client found its connection closed before
+// it read that error (pgx's CopyFrom writes while the FATAL arrives); either
+// way the session is over (wantSessionOver).
+func wantEnded(t *testing.T, conn *pgx.Conn, err error, code string) {
+	t.Helper()
+	if err == nil {
+		t.Fatal("the stale session's write succeeded")
+	}
+	pe := pgErrorOf(err)
+	if pe == nil {
+		t.Logf("the client found its connection closed: %v", err)
+		wantSessionOver(t, conn, code)
+		return
+	}
+	if pe.Code != code || pe.Severity != wire.SeverityFatal && (code != fence.CodeStale || pe.Severity != wire.SeverityError) {
+		t.Fatalf("want FATAL %s (or ERROR ZF001), got %s: %v", code, pe.Severity, err)
+	}
+	if code == fence.CodeStale && !strings.Contains(pe.Message, "stale fencing token") {
+		t.Fatalf("message %q does not begin with 'stale fencing token'", pe.Message)
+	}
+	if code == wire.CodeAdminShutdown && !strings.Contains(pe.Hint, "fenceproxy") {
+		t.Fatalf("the server's 57P01 was relayed without the proxy's hint: %q", pe.Hint)
+	}
+	wantSessionOver(t, conn, code)
+}
+
+func waitStale(t *testing.T, p *testenv.Proxy, database, res string, tok int64) {
 	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
-	for p.Registry.Highest(res) < tok {
+	for p.Registry.Highest(database, res) < tok {
 		if time.Now().After(deadline) {
 			t.Fatalf("proxy did not learn of token %d for %s", tok, res)
 		}

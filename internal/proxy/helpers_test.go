@@ -84,14 +84,13 @@ func count(t *testing.T, conn querier, sql string, args ...any) int {
 	return n
 }
 
-// fencedDB starts PostgreSQL with the fence schema, an application role
+// fencedDB starts PostgreSQL with the fence schema and the proxy key
+// (testenv.Key, which testenv.StartProxy uses), an application role
 // "app" and a table "items", and returns the cluster and an admin connection.
 func fencedDB(t *testing.T, opts ...testenv.PGOption) (*testenv.Postgres, *pgxpool.Pool) {
 	t.Helper()
 	pg := testenv.StartPostgres(t, opts...)
-	if _, err := fence.Migrate(ctxT(t), pg.AdminURL()); err != nil {
-		t.Fatalf("migrate: %v", err)
-	}
+	testenv.Migrate(t, pg.AdminURL())
 	admin, err := pgxpool.New(ctxT(t), pg.AdminURL())
 	if err != nil {
 		t.Fatal(err)
@@ -115,3 +114,25 @@ func fencedProxy(t *testing.T, pg *testenv.Postgres, mod ...func(*proxy.Config))
 func strconvItoa(i int) string { return fmt.Sprint(i) }
 
 func bytesReader(b []byte) *bytes.Reader { return bytes.NewReader(b) }
+
+// wantSessionOver checks that a fenced session that was just told code (a
+// stale or blocked session) is over: the proxy answers the unit the client
+// waited for with an ERROR and a ReadyForQuery (an idle client gets a FATAL at
+// once), keeps the connection for the client's next unit, answers that one
+// with the error again and closes. So each further statement fails, with code
+// or as a closed connection, and the connection ends within a few of them.
+func wantSessionOver(t *testing.T, conn *pgx.Conn, code string) {
+	t.Helper()
+	for i := 0; i < 3 && !conn.IsClosed(); i++ {
+		_, err := conn.Exec(ctxT(t), "SELECT 1", pgx.QueryExecModeSimpleProtocol)
+		if err == nil {
+			t.Fatalf("statement %d after the session ended succeeded", i+1)
+		}
+		if pe := pgErrorOf(err); pe != nil && pe.Code != code {
+			t.Fatalf("statement %d after the session ended: want SQLSTATE %s or a closed connection, got %v", i+1, code, err)
+		}
+	}
+	if !conn.IsClosed() {
+		t.Fatal("the ended session's connection is still open after three statements")
+	}
+}

@@ -241,8 +241,14 @@ func (sess *session) explainServerEnd() {
 		return
 	}
 	// Not known to be stale: the server's own error (or one saying it closed
-	// the connection), relayed as a server's FATAL is.
+	// the connection), relayed as a server's FATAL is. When the server's own
+	// FATAL was relayed already (08P01, 25P03...), the end was not silent and
+	// not a raise's: nothing to add, as a direct connection would show.
 	resp := sess.serverFatal.Load()
+	if resp == nil && sess.serverSaid.Load() {
+		sess.end(nil)
+		return
+	}
 	if resp == nil {
 		resp = &pgproto3.ErrorResponse{Severity: wire.SeverityFatal, Code: wire.CodeConnectionFailure,
 			Message: "fenceproxy: the server closed the connection"}
@@ -287,11 +293,15 @@ func (sess *session) serverToClient() error {
 			if err != nil {
 				return fmt.Errorf("%w: %w", errServerGone, err)
 			}
-			if e, derr := wire.DecodeError(body); derr == nil && e.Code == wire.CodeAdminShutdown && e.Severity == wire.SeverityFatal {
+			e, derr := wire.DecodeError(body)
+			if derr == nil && e.Code == wire.CodeAdminShutdown && e.Severity == wire.SeverityFatal {
 				// Maybe a raise ending this stale backend: relay's
 				// explainServerEnd decides what the client is told.
 				sess.serverFatal.Store(e)
 				return fmt.Errorf("%w: terminated by the server", errServerGone)
+			}
+			if derr == nil && e.Severity == wire.SeverityFatal {
+				sess.serverSaid.Store(true) // the end is not silent: explainServerEnd adds nothing
 			}
 			if err := sess.writeClient(typ, body); err != nil {
 				return err
@@ -334,8 +344,12 @@ func (sess *session) writeClient(typ byte, body []byte) error {
 // are the client's, but for a read error of the server's body.
 func (sess *session) copyClient() error {
 	sess.cwMu.Lock()
-	defer sess.cwMu.Unlock()
-	return sess.sr.CopyBody(sess.cw)
+	err := sess.sr.CopyBody(sess.cw)
+	sess.cwMu.Unlock()
+	if errors.Is(err, wire.ErrRead) {
+		return fmt.Errorf("%w: %w", errServerGone, err)
+	}
+	return err
 }
 
 // readyForQuery records a ReadyForQuery relayed to the client.
@@ -397,6 +411,9 @@ func (sess *session) clientToServer() error {
 		sess.swMu.Lock()
 		err = sess.cr.CopyBody(sess.sw)
 		sess.swMu.Unlock()
+		if errors.Is(err, wire.ErrRead) {
+			return err // the client's
+		}
 		if err != nil {
 			return fmt.Errorf("%w: %w", errServerGone, err)
 		}

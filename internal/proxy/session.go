@@ -61,6 +61,7 @@ type session struct {
 	staleCh     chan struct{}
 	blocked     atomic.Pointer[fence.Error] // resource blocked: lock free, or LockIndex regression
 	serverFatal atomic.Pointer[pgproto3.ErrorResponse]
+	serverSaid  atomic.Bool // a FATAL of the server's own (not 57P01) was relayed to the client
 
 	shuttingDown atomic.Bool
 	endOnce      sync.Once

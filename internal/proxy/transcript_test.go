@@ -174,49 +174,60 @@ var transcripts = []struct {
 	}},
 }
 
+// runTranscript starts a session at addr with the startup params and runs
+// steps, returning the normalised transcript, startup included.
+func runTranscript(t *testing.T, addr string, params []string, steps []rawStep) []string {
+	t.Helper()
+	r := dialRaw(t, addr)
+	out := r.startup(3<<16, params...)
+	for i, s := range steps {
+		r.send(s.msgs...)
+		got, err := r.readUntil(s.rfq, s.stop)
+		out = append(out, got...)
+		if s.eof {
+			if err == nil || !isClosed(err) {
+				t.Fatalf("step %d: want the connection closed, got %v", i, err)
+			}
+			out = append(out, "EOF")
+			continue
+		}
+		if err != nil {
+			t.Fatalf("step %d: %v\n%q", i, err, out)
+		}
+	}
+	return out
+}
+
+// sameTranscript fails the test unless the two transcripts are identical,
+// message by message.
+func sameTranscript(t *testing.T, direct, proxied []string) {
+	t.Helper()
+	if len(direct) != len(proxied) {
+		t.Fatalf("transcripts differ\n%s", diffLines(direct, proxied))
+	}
+	for i := range direct {
+		if direct[i] != proxied[i] {
+			t.Fatalf("transcripts differ\n%s", diffLines(direct, proxied))
+		}
+	}
+}
+
 // testWireTranscripts: the proxy must be indistinguishable from the server
 // at the message level.
 func testWireTranscripts(t *testing.T, s *suite) {
 	pg, p, _ := s.setup(t)
-	run := func(t *testing.T, addr string, steps []rawStep) []string {
-		r := dialRaw(t, addr)
-		out := r.startup(3<<16, "user", testenv.AdminUser, "database", "postgres")
-		for i, s := range steps {
-			r.send(s.msgs...)
-			got, err := r.readUntil(s.rfq, s.stop)
-			out = append(out, got...)
-			if s.eof {
-				if err == nil || !isClosed(err) {
-					t.Fatalf("step %d: want the connection closed, got %v", i, err)
-				}
-				out = append(out, "EOF")
-				continue
-			}
-			if err != nil {
-				t.Fatalf("step %d: %v\n%q", i, err, out)
-			}
-		}
-		return out
-	}
+	params := []string{"user", testenv.AdminUser, "database", "postgres"}
 	for _, tt := range transcripts {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
-			direct := run(t, pgAddr(pg), tt.steps)
+			direct := runTranscript(t, pgAddr(pg), params, tt.steps)
 			all := strings.Join(direct, "\n")
 			for _, w := range tt.want {
 				if !strings.Contains(all, w) {
 					t.Errorf("direct transcript lacks %s:\n%s", w, all)
 				}
 			}
-			proxied := run(t, proxyAddr(p), tt.steps)
-			if len(direct) != len(proxied) {
-				t.Fatalf("transcripts differ\n%s", diffLines(direct, proxied))
-			}
-			for i := range direct {
-				if direct[i] != proxied[i] {
-					t.Fatalf("transcripts differ\n%s", diffLines(direct, proxied))
-				}
-			}
+			sameTranscript(t, direct, runTranscript(t, proxyAddr(p), params, tt.steps))
 		})
 	}
 }

@@ -92,9 +92,30 @@ func (r *Reader) Body() ([]byte, error) {
 	return b, nil
 }
 
+// ErrRead is wrapped by CopyBody's errors of reading (as opposed to writing w).
+var ErrRead = errors.New("wire: read")
+
 // CopyBody writes the current message (header included) to w, streaming
-// the body.
+// the body. A message that fits the read buffer is read whole before anything
+// of it is written, so that a source that ends within it leaves no partial
+// message in w (the writer can still end its stream with an error message of
+// its own); a larger one is streamed. Errors of reading wrap ErrRead.
 func (r *Reader) CopyBody(w *bufio.Writer) error {
+	if r.pending == r.n && r.n <= r.br.Size() {
+		b, err := r.br.Peek(r.n)
+		if err != nil {
+			return fmt.Errorf("%w: %w", ErrRead, unexpected(err))
+		}
+		if err := WriteHeader(w, r.typ, r.n); err != nil {
+			return err
+		}
+		if _, err := w.Write(b); err != nil {
+			return err
+		}
+		r.br.Discard(len(b)) //nolint:errcheck // Peek succeeded, so Discard cannot fail
+		r.pending = 0
+		return nil
+	}
 	if err := WriteHeader(w, r.typ, r.n); err != nil {
 		return err
 	}
@@ -108,7 +129,7 @@ func (r *Reader) CopyBody(w *bufio.Writer) error {
 		}
 		b, err := r.br.Peek(chunk)
 		if err != nil {
-			return unexpected(err)
+			return fmt.Errorf("%w: %w", ErrRead, unexpected(err))
 		}
 		if _, err := w.Write(b); err != nil {
 			return err
