@@ -15,16 +15,19 @@ ENV GOTOOLCHAIN=auto
 COPY go.mod go.sum ./
 RUN go mod download
 COPY . .
-# cgo stays on: pg_query_go compiles PostgreSQL's own parser, in C, into fenceproxy.
-RUN CGO_ENABLED=1 go build -trimpath -ldflags="-s -w" -o /out/fenceproxy ./cmd/fenceproxy \
+# Pure Go, static binaries (fenceproxy parses no SQL since fencing v2: no cgo).
+RUN CGO_ENABLED=0 go build -trimpath -ldflags="-s -w" -o /out/fenceproxy ./cmd/fenceproxy \
  && CGO_ENABLED=0 go build -trimpath -ldflags="-s -w" -o /out/billing ./cmd/billing
 
-# The same Debian release as the build stage: fenceproxy links against its C library.
 FROM debian:${DEBIAN}-slim
 RUN apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates \
  && rm -rf /var/lib/apt/lists/*
 COPY --from=build /out/fenceproxy /out/billing /usr/local/bin/
+# The proxy key file's folder (fenceproxy migrate --key-file /var/lib/fenceproxy/fenceproxy.key
+# creates the file, readable by its owner only): writable by the user the containers run as. A
+# named volume mounted here starts as a copy of it, ownership included (docker-compose.yml).
+RUN mkdir -p /var/lib/fenceproxy && chown nobody:nogroup /var/lib/fenceproxy && chmod 0700 /var/lib/fenceproxy
 USER nobody
 EXPOSE 6432
 CMD ["fenceproxy", "--help"]

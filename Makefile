@@ -1,5 +1,5 @@
 # fenceproxy: `make test` is what CI runs (.ci/run).
-.PHONY: all deps build test fmt fmt-check vet sqltest fuzz gotest demo bench clean
+.PHONY: all deps build test fmt fmt-check vet sqltest fuzz gotest gen-long demo bench psycopg-suite clean
 # Prerequisites are steps in order (deps before tests), also under make -j.
 .NOTPARALLEL:
 
@@ -49,11 +49,25 @@ fuzz:
 gotest:
 	$(GO) test $(GOTESTFLAGS) ./...
 
+# The generated protocol sequences of internal/proxy/generated_test.go, long: `make test`
+# runs 48 rounds; this runs GEN_ROUNDS from seed GEN_SEED (a failure names its seed:
+# GEN_SEED=<seed> GEN_ROUNDS=1 replays it). About 0.25 s a round on 2 cores under -race.
+GEN_ROUNDS ?= 5000
+GEN_SEED   ?= 1
+gen-long:
+	FENCEPROXY_GEN_ROUNDS=$(GEN_ROUNDS) FENCEPROXY_GEN_SEED=$(GEN_SEED) \
+		$(GO) test -race -count=1 -timeout 0 -v -run '^TestGeneratedSequences$$' ./internal/proxy/
+
 demo: deps build
 	bash scripts/demo.sh
 
 bench: deps build
 	bash bench/bench.sh
+
+# psycopg 3's own test suite (Debian's python3-psycopg and its version's tests) directly,
+# through the proxy unfenced and through it fenced; fails if a test passes only directly.
+psycopg-suite:
+	bash scripts/psycopg-suite.sh
 
 clean:
 	rm -rf bin coverage.out coverage.html *.coverprofile

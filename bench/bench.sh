@@ -1,61 +1,86 @@
 #!/usr/bin/env bash
-# Throughput benchmark of fenceproxy (`make bench` runs it). A benchmark, not a test: it
-# measures and prints, and fails only when a target cannot be benchmarked at all.
+# Benchmark of fenceproxy (`make bench` runs it). A benchmark, not a test: it measures and
+# prints, and fails only when a target cannot be benchmarked at all or a raise lets a stale
+# session live.
 #
 # In one run it starts its own throwaway PostgreSQL 15 (initdb as the `postgres` OS user when
 # run as root; private port and socket folder in a temporary folder), loads `pgbench -i`,
-# installs the fence schema with `fenceproxy migrate`, starts fenceproxy and pgbouncer
-# (session mode), then runs pgbench against each target:
+# installs the fence schema with `fenceproxy migrate --key-file` (which creates the proxy key
+# file), starts fenceproxy (`--key-file`, resources bench and raise) and pgbouncer (session
+# mode), then runs pgbench against each target:
 #
 #   direct      PostgreSQL itself
-#   fenceproxy  the proxy, session without a token (--unfenced allow)
+#   fenceproxy  the proxy, session without a token (--unfenced allow): a plain relay
 #   pgbouncer   pgbouncer in session mode
 #   fenced      the proxy, session with a token (PGOPTIONS='-c fence.resource=bench
-#               -c fence.token=1'): a commit-time check per transaction
-#   direct-check  (diagnostic, not in the default list) PostgreSQL itself, with the same
-#               check added to pgbench's script (bench/*-check.sql): what the check costs the
-#               database alone, without the proxy's hop; needs BENCH_PROTOCOL=simple
-#   parsed      (diagnostic, not in the default list) a second proxy started with
-#               --debug-parse-unfenced, session without a token: it parses every simple Query
-#               as a fenced session does and injects nothing, so parsed/fenceproxy is what the
-#               parse alone costs and fenced/parsed what the check adds to it
+#               -c fence.token=1'): bound once at session start (fence.bind, one statement in
+#               its own transaction before ReadyForQuery), then relayed as plainly as unfenced
 #
-# for the workloads of BENCH_WORKLOADS (default: select-only, pgbench -S, and read-write,
-# tpcb-like without branch and teller updates, pgbench -N; also available: tpcb-like, pgbench's
-# default read-write script with the teller and branch updates), BENCH_RUNS times, interleaved (all
-# targets of one round, then the next round; even rounds in reverse order) so that machine noise
-# spreads over every target. Every target connects over
-# TCP on 127.0.0.1, and the proxy and pgbouncer reach PostgreSQL over TCP too, so each hop
-# costs the same kind of socket. Before every measured run the script does what pgbench does by
-# default (VACUUM of branches and tellers, TRUNCATE of history), plus a CHECKPOINT, directly on
-# PostgreSQL; pgbench itself runs with -n so that the preparation is identical for every target
-# and outside the measurement.
+# in these cells, every one in every round:
 #
-# It prints the individual runs, then a table of median TPS and latency per target and
-# workload; where each transaction's CPU time went (PostgreSQL's processes, the middleman, the
-# rest of the machine, and idle time, from /proc); the ratios, of the medians and as the median
-# of the per-round ratios; and the proxy's peak RSS and CPU time. Every process and folder it
-# starts is removed on exit.
+#   select-only/P, read-write/P  pgbench -S and -N (tpcb-like without the branch and teller
+#               updates), for each query protocol P of BENCH_PROTOCOLS (pgbench -M simple and
+#               -M prepared); also available: tpcb-like, pgbench's default script
+#   connect/simple  pgbench -C -S: a new connection for every transaction, so that the session
+#               start (for fenced: the bind) is in every transaction; BENCH_CONNECT_CLIENTS
+#               clients (default 1: the time of one session start, not a queue of them), the
+#               targets of BENCH_CONNECT_TARGETS (default: direct direct-bind fenceproxy fenced),
+#               where direct-bind is PostgreSQL itself with the proxy's bind statement before
+#               the SELECT (bench/bind.sql): the bind's cost in the database alone. It reports
+#               the time per connection (pgbench's "average connection time", to
+#               ReadyForQuery) and per transaction (connect, statements, disconnect) and their
+#               differences: the microseconds the bind adds to a session start
+#
+# and, after the pgbench cells of every round, the raise latency (bench/raise, a Go program; run
+# it on its own with `go run ./bench/raise -h`): for each N of BENCH_RAISE_STALE it opens N
+# fenced sessions with token t of resource raise through the proxy (every other one idle in a
+# transaction with an uncommitted INSERT), then times a new session connecting with t+1 until
+# it is ready (its bind raises the token, which ends the N backends and waits for them to exit
+# before it commits), then the same connect again (a bind with nothing to raise), and checks
+# that every stale session is gone and none of their rows committed.
+#
+# Rounds are interleaved: all cells and targets of one round, then the next round, with the
+# targets of even rounds in reverse order (A B C D, D C B A, ...) and the raise's N too, so that
+# machine noise spreads over every target. Every target connects over TCP on 127.0.0.1, and the
+# proxy and pgbouncer reach PostgreSQL over TCP too, so each hop costs the same kind of socket.
+# Before every measured run the script does what pgbench does by default (VACUUM of branches
+# and tellers, TRUNCATE of history), plus a CHECKPOINT, directly on PostgreSQL; pgbench itself
+# runs with -n so that the preparation is identical for every target and outside the
+# measurement.
+#
+# It prints the individual runs, then a table of median TPS and latency per cell and target;
+# where each transaction's CPU time went (PostgreSQL's processes, the middleman, the rest of the
+# machine, and idle time, from /proc); the ratios, of the medians and as the median of the
+# per-round ratios (fenced/unfenced is the cost of fencing); the session start cost; the raise
+# latency (median, min, max of all samples); and the proxy's peak RSS and CPU time. Every
+# process and folder it starts is removed on exit.
 #
 # Settings (environment variables):
 #   BENCH_SECONDS=10      duration of each measured pgbench run (-T)
-#   BENCH_RUNS=3          rounds of every target and workload
-#   BENCH_CLIENTS=8       pgbench clients (-c)
-#   BENCH_THREADS=2       pgbench threads (-j)
+#   BENCH_RUNS=3          rounds (BENCH_RUNS=5 or more for figures to quote: medians of >= 5)
+#   BENCH_CLIENTS=8       pgbench clients (-c) of the throughput cells
+#   BENCH_THREADS=2       pgbench threads (-j) of the throughput cells
 #   BENCH_SCALE=10        pgbench scale factor (-i -s)
-#   BENCH_PROTOCOL=simple pgbench query protocol (-M): simple, extended or prepared
-#   BENCH_WORKLOADS="select-only read-write"   workloads, from select-only, read-write (-N) and
-#                         tpcb-like (pgbench's default script)
-#   BENCH_WARMUP=2        seconds of unmeasured warm-up per target and workload (0: none)
+#   BENCH_PROTOCOLS="simple prepared"   query protocols (-M) of the throughput cells, from
+#                         simple, extended and prepared (BENCH_PROTOCOL, if set, is a single one)
+#   BENCH_WORKLOADS="select-only read-write connect"   cells, from select-only, read-write (-N),
+#                         tpcb-like (pgbench's default script) and connect (-C -S, simple protocol)
+#   BENCH_CONNECT_CLIENTS=1  pgbench clients (-c, and -j) of the connect cell
+#   BENCH_CONNECT_TARGETS="direct direct-bind fenceproxy fenced"   targets of the connect cell
+#   BENCH_RAISE_STALE="0 1 10 100"   numbers of stale sessions the raise ends ("": no raise
+#                         measurement); 0 is a raise that ends nobody
+#   BENCH_RAISE_SAMPLES=1 raise samples per N in every round (BENCH_RUNS x this in all)
+#   BENCH_WARMUP=2        seconds of unmeasured warm-up per cell and target (0: none)
 #   BENCH_FSYNC=off       PostgreSQL fsync (off also sets synchronous_commit and
 #                         full_page_writes off: the disk is not what is measured)
-#   BENCH_TARGETS="direct fenceproxy pgbouncer fenced"   targets, in round order (add
-#                         direct-check for the diagnostic target above)
+#   BENCH_TARGETS="direct fenceproxy pgbouncer fenced"   targets, in round order
 #   BENCH_PROXY_ARGS=     extra flags for `fenceproxy serve`
 #   BENCH_KEEP=0          1: keep the temporary folder (logs) and print its path
 #   BENCH_BIN             a fenceproxy binary to benchmark as it is (default: bin/fenceproxy,
 #                         built when missing or older than the sources)
 #   FENCEPROXY_PG_BINDIR  PostgreSQL server binaries (default /usr/lib/postgresql/15/bin)
+#
+# Short runs for trying changes: BENCH_SECONDS=3 BENCH_RUNS=1 BENCH_WARMUP=0.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -64,51 +89,78 @@ runs=${BENCH_RUNS:-3}
 clients=${BENCH_CLIENTS:-8}
 threads=${BENCH_THREADS:-2}
 scale=${BENCH_SCALE:-10}
-protocol=${BENCH_PROTOCOL:-simple}
+read -r -a protocols <<<"${BENCH_PROTOCOL:-${BENCH_PROTOCOLS-simple prepared}}"
 warmup=${BENCH_WARMUP:-2}
 fsync=${BENCH_FSYNC:-off}
 read -r -a targets <<<"${BENCH_TARGETS:-direct fenceproxy pgbouncer fenced}"
 read -r -a proxy_extra <<<"${BENCH_PROXY_ARGS:-}"
 bin=${BENCH_BIN:-bin/fenceproxy}
 pg_bin=${FENCEPROXY_PG_BINDIR:-/usr/lib/postgresql/15/bin}
-read -r -a workloads <<<"${BENCH_WORKLOADS:-select-only read-write}"
+read -r -a workloads <<<"${BENCH_WORKLOADS-select-only read-write connect}"
+connect_clients=${BENCH_CONNECT_CLIENTS:-1}
+read -r -a connect_targets <<<"${BENCH_CONNECT_TARGETS-direct direct-bind fenceproxy fenced}"
+read -r -a raise_stale <<<"${BENCH_RAISE_STALE-0 1 10 100}"
+raise_samples=${BENCH_RAISE_SAMPLES:-1}
 # Other work on the machine is the main source of noise: note how busy it was before we started.
 load_start=$(cut -d' ' -f1-3 /proc/loadavg)
 resource=bench
 token=1
+# The raise measurement raises this resource's token over and over: a resource of its own, so
+# that token 1 of resource bench stays admitted for the fenced target.
+raise_resource=raise
 
 prog=bench
 # shellcheck source=scripts/lib.sh
 . scripts/lib.sh
 
-for v in seconds runs clients threads scale warmup; do
+for v in seconds runs clients threads scale warmup connect_clients raise_samples; do
 	[[ ${!v} =~ ^[0-9]+$ ]] || die "BENCH_${v^^} must be a whole number, not '${!v}'"
 done
-((seconds > 0 && runs > 0 && clients > 0 && threads > 0 && scale > 0)) ||
-	die "BENCH_SECONDS, BENCH_RUNS, BENCH_CLIENTS, BENCH_THREADS and BENCH_SCALE must be positive"
+((seconds > 0 && runs > 0 && clients > 0 && threads > 0 && scale > 0 && connect_clients > 0 && raise_samples > 0)) ||
+	die "BENCH_SECONDS, BENCH_RUNS, BENCH_CLIENTS, BENCH_THREADS, BENCH_SCALE, BENCH_CONNECT_CLIENTS and BENCH_RAISE_SAMPLES must be positive"
 ((clients % threads == 0)) || die "BENCH_CLIENTS ($clients) must be a multiple of BENCH_THREADS ($threads)"
-((clients <= 80)) || die "BENCH_CLIENTS above 80 does not fit max_connections=100"
+max_stale=0
+for n in "${raise_stale[@]}"; do
+	[[ $n =~ ^[0-9]+$ ]] || die "BENCH_RAISE_STALE must list whole numbers, not '$n'"
+	((n > max_stale)) && max_stale=$n
+done
+# The raise's stale sessions, the new one, the script's own, the proxy's control connection
+# and autovacuum must fit next to the clients: max_connections is 100 unless more are needed.
+max_connections=$((max_stale + 20 > 100 ? max_stale + 20 : 100))
+((clients <= max_connections - 20 && connect_clients <= max_connections - 20)) ||
+	die "BENCH_CLIENTS ($clients) or BENCH_CONNECT_CLIENTS above $((max_connections - 20)) does not fit max_connections=$max_connections"
 [[ $fsync == on || $fsync == off ]] || die "BENCH_FSYNC must be on or off"
-case $protocol in simple | extended | prepared) ;; *) die "BENCH_PROTOCOL must be simple, extended or prepared" ;; esac
+for p in "${protocols[@]}"; do
+	case $p in simple | extended | prepared) ;; *) die "BENCH_PROTOCOLS: '$p' is not simple, extended or prepared" ;; esac
+done
 for t in "${targets[@]}"; do
-	case $t in direct | fenceproxy | pgbouncer | fenced | parsed) ;;
-	direct-check) [[ $protocol == simple ]] || die "target direct-check needs BENCH_PROTOCOL=simple" ;;
-	*) die "unknown target '$t' in BENCH_TARGETS" ;;
+	case $t in direct | fenceproxy | pgbouncer | fenced) ;; *) die "unknown target '$t' in BENCH_TARGETS" ;; esac
+done
+for t in "${connect_targets[@]}"; do
+	case $t in direct | direct-bind | fenceproxy | pgbouncer | fenced) ;; *) die "unknown target '$t' in BENCH_CONNECT_TARGETS" ;; esac
+done
+# The cells, in round order: each throughput workload under each protocol, then connect.
+cells=()
+for w in "${workloads[@]}"; do
+	case $w in
+	select-only | read-write | tpcb-like)
+		((${#protocols[@]} > 0)) || die "BENCH_PROTOCOLS is empty"
+		for p in "${protocols[@]}"; do cells+=("$w/$p"); done
+		;;
+	connect) if ((${#connect_targets[@]} > 0)); then cells+=(connect/simple); fi ;;
+	*) die "unknown workload '$w' in BENCH_WORKLOADS" ;;
 	esac
 done
-((${#workloads[@]} > 0)) || die "BENCH_WORKLOADS is empty"
-for w in "${workloads[@]}"; do
-	case $w in select-only | read-write | tpcb-like) ;; *) die "unknown workload '$w' in BENCH_WORKLOADS" ;; esac
-	[[ $w == tpcb-like && " ${targets[*]} " == *" direct-check "* ]] &&
-		die "target direct-check has no tpcb-like script (bench/*-check.sql): leave one of them out"
-done
+((${#cells[@]} > 0 || ${#raise_stale[@]} > 0)) || die "nothing to measure: BENCH_WORKLOADS and BENCH_RAISE_STALE are empty"
 for p in initdb postgres pg_isready psql pgbench; do
 	[[ -x $pg_bin/$p ]] || die "$pg_bin/$p not found: run make deps (or set FENCEPROXY_PG_BINDIR)"
 done
+# pgbouncer runs when a cell has it among its targets.
 use_bouncer=0
-[[ " ${targets[*]} " == *" pgbouncer "* ]] && use_bouncer=1
-use_parsed=0
-[[ " ${targets[*]} " == *" parsed "* ]] && use_parsed=1
+for c in "${cells[@]}"; do
+	if [[ $c == connect/* ]]; then t=" ${connect_targets[*]} "; else t=" ${targets[*]} "; fi
+	[[ $t == *" pgbouncer "* ]] && use_bouncer=1
+done
 ((use_bouncer == 0)) || command -v pgbouncer >/dev/null || die "pgbouncer not found: run make deps"
 
 # --- the proxy binary --------------------------------------------------------------------------
@@ -124,6 +176,13 @@ elif [[ ! -x $bin ]] || [[ -n $(find cmd internal migrations go.mod go.sum -newe
 	go build -o "$bin" ./cmd/fenceproxy || die "go build failed"
 fi
 bin=$(cd "$(dirname "$bin")" && pwd)/$(basename "$bin")
+# The commit the report names: the sources' as the run starts (the binary was built from them,
+# unless BENCH_BIN names another one).
+commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+[[ -n $(git status --porcelain 2>/dev/null | head -n1) ]] && commit+=" (with uncommitted changes)"
+if ((${#raise_stale[@]} > 0)); then
+	command -v go >/dev/null || die "the raise measurement (bench/raise) needs go on PATH; BENCH_RAISE_STALE= skips it"
+fi
 
 # --- processes and cleanup ---------------------------------------------------------------------
 
@@ -206,7 +265,7 @@ status_kb() { awk -v f="$2:" '$1 == f { print $2 }' "/proc/$1/status" 2>/dev/nul
 
 # --- PostgreSQL --------------------------------------------------------------------------------
 
-for p in pg_port proxy_port bouncer_port parsed_port; do free_port "$p"; done
+for p in pg_port proxy_port bouncer_port; do free_port "$p"; done
 pg_dir=$work/postgres
 mine "$pg_dir"
 if [[ $fsync == off ]]; then
@@ -219,7 +278,7 @@ say "PostgreSQL 15 on 127.0.0.1:$pg_port (fsync=$fsync), temporary folder $work"
 	--auth=trust -E UTF8 --locale=C >"$pg_dir/initdb.log" 2>&1 ||
 	die "initdb failed: $(tail -n 20 "$pg_dir/initdb.log")"
 pg_settings=(-c listen_addresses=127.0.0.1 -c port="$pg_port" -c unix_socket_directories="$pg_dir"
-	-c max_connections=100 -c shared_buffers=256MB -c max_wal_size=2GB -c checkpoint_timeout=30min
+	-c max_connections="$max_connections" -c shared_buffers=256MB -c max_wal_size=2GB -c checkpoint_timeout=30min
 	"${durability[@]}")
 start postgres "$pg_dir/postgres.log" as_pg "$pg_bin/postgres" -D "$pg_dir/data" "${pg_settings[@]}"
 pg_ready() { alive postgres "$pg_dir/postgres.log" && "$pg_bin/pg_isready" -q -h 127.0.0.1 -p "$pg_port"; }
@@ -231,24 +290,27 @@ say "pgbench -i -s $scale"
 "$pg_bin/pgbench" -i -q -s "$scale" -h 127.0.0.1 -p "$pg_port" -U postgres bench >"$work/pgbench-init.log" 2>&1 ||
 	die "pgbench -i failed: $(tail -n 20 "$work/pgbench-init.log")"
 db_url="postgres://postgres@127.0.0.1:$pg_port/bench?sslmode=disable"
-"$bin" migrate --database "$db_url" >"$work/migrate.log" 2>&1 ||
+# migrate creates the key file (a random key) and stores the key in the database; the proxy
+# proves its binds and raises with it. The schema's owner is the superuser postgres, which may
+# end any backend at a raise.
+key_file=$work/fenceproxy.key
+"$bin" migrate --database "$db_url" --key-file "$key_file" >"$work/migrate.log" 2>&1 ||
 	die "fenceproxy migrate failed: $(cat "$work/migrate.log")"
-# Fenced sessions raise their token at startup; direct-check needs it stored before it runs.
-psql_direct -d bench -c "SELECT fence.raise('$resource', $token)" >/dev/null
 
 # --- fenceproxy and pgbouncer ------------------------------------------------------------------
 
+# --control-database as in production: the proxy LISTENs for raises there (one connection, idle
+# during the pgbench runs).
 proxy_cmd=("$bin" serve --listen "127.0.0.1:$proxy_port" --upstream "postgres://127.0.0.1:$pg_port"
-	--unfenced allow --resource "$resource" --log-level warn "${proxy_extra[@]}")
+	--unfenced allow --resource "$resource,$raise_resource" --key-file "$key_file"
+	--control-database "$db_url" --log-level warn "${proxy_extra[@]}")
 start fenceproxy "$work/fenceproxy.log" "${proxy_cmd[@]}"
 proxy_ready() { alive fenceproxy "$work/fenceproxy.log" && listening "$proxy_port"; }
 wait_for fenceproxy 30 proxy_ready
-if ((use_parsed)); then
-	start parsed "$work/parsed.log" "$bin" serve --listen "127.0.0.1:$parsed_port" \
-		--upstream "postgres://127.0.0.1:$pg_port" --unfenced allow --resource "$resource" \
-		--log-level warn --debug-parse-unfenced "${proxy_extra[@]}"
-	parsed_ready() { alive parsed "$work/parsed.log" && listening "$parsed_port"; }
-	wait_for "fenceproxy --debug-parse-unfenced" 30 parsed_ready
+
+raise_bin=$work/raise
+if ((${#raise_stale[@]} > 0)); then
+	go build -o "$raise_bin" ./bench/raise || die "go build ./bench/raise failed"
 fi
 
 bouncer_dir=$work/pgbouncer
@@ -282,7 +344,6 @@ fi
 # The CPU and memory figures are read from /proc/PID: PID must be the program itself.
 declare -A program=([fenceproxy]=$(readlink -f "$bin"))
 ((use_bouncer)) && program[pgbouncer]=$(readlink -f "$(command -v pgbouncer)")
-((use_parsed)) && program[parsed]=$(readlink -f "$bin")
 for name in "${!program[@]}"; do
 	exe=$(readlink -f "/proc/${service_pid[$name]}/exe" 2>/dev/null || true)
 	[[ $exe == "${program[$name]}" ]] ||
@@ -293,10 +354,9 @@ done
 
 target_port() {
 	case $1 in
-	direct | direct-check) echo "$pg_port" ;;
+	direct | direct-bind) echo "$pg_port" ;;
 	fenceproxy | fenced) echo "$proxy_port" ;;
 	pgbouncer) echo "$bouncer_port" ;;
-	parsed) echo "$parsed_port" ;;
 	esac
 }
 target_options() { [[ $1 == fenced ]] && echo "-c fence.resource=$resource -c fence.token=$token" || true; }
@@ -304,30 +364,27 @@ target_pid() {
 	case $1 in
 	fenceproxy | fenced) echo "${service_pid[fenceproxy]}" ;;
 	pgbouncer) echo "${service_pid[pgbouncer]}" ;;
-	parsed) echo "${service_pid[parsed]}" ;;
 	*) echo "" ;;
 	esac
 }
-# workload_flag TARGET WORKLOAD: pgbench's built-in script, or ours with the check.
-workload_flag() {
-	if [[ $1 == direct-check ]]; then
-		echo "-f bench/$2-check.sql -s $scale"
-	else
-		case $2 in
-		select-only) echo -S ;;
-		read-write) echo -N ;;
-		tpcb-like) echo "-b tpcb-like" ;;
-		esac
-	fi
+# cell_targets CELL: the targets of CELL, in round order (into the array `cell_order`).
+cell_targets() {
+	if [[ $1 == connect/* ]]; then cell_order=("${connect_targets[@]}"); else cell_order=("${targets[@]}"); fi
 }
 
-# pgbench_cmd TARGET WORKLOAD SECONDS: the pgbench command line (into the array `cmd`).
+# pgbench_cmd TARGET CELL SECONDS: the pgbench command line (into the array `cmd`).
 pgbench_cmd() {
+	local w=${2%/*} p=${2#*/} c=$clients j=$threads flags
+	case $w in
+	select-only) flags=(-S) ;;
+	read-write) flags=(-N) ;;
+	tpcb-like) flags=(-b tpcb-like) ;;
+	connect) flags=(-C -S) c=$connect_clients j=$((connect_clients < threads ? connect_clients : threads)) ;;
+	esac
+	[[ $1 == direct-bind ]] && flags=(-C -f bench/bind.sql -s "$scale")
 	cmd=(env)
 	[[ $1 == fenced ]] && cmd+=("PGOPTIONS=$(target_options "$1")")
-	local flags
-	read -r -a flags <<<"$(workload_flag "$1" "$2")"
-	cmd+=("$pg_bin/pgbench" -n "${flags[@]}" -M "$protocol" -c "$clients" -j "$threads" -T "$3"
+	cmd+=("$pg_bin/pgbench" -n "${flags[@]}" -M "$p" -c "$c" -j "$j" -T "$3"
 		-h 127.0.0.1 -p "$(target_port "$1")" -U postgres bench)
 }
 
@@ -353,16 +410,18 @@ pg_cpu_ticks() {
 idle_ticks() { awk '$1 == "cpu" { print $5 + $6; exit }' /proc/stat; }
 busy_ticks() { awk '$1 == "cpu" { print $2 + $3 + $4 + $7 + $8 + $9; exit }' /proc/stat; }
 
-results=$work/results.tsv # workload target run tps latency_ms transactions failed cpu_ticks status pg_ticks idle_ticks busy_ticks
+results=$work/results.tsv # cell target run tps latency_ms transactions failed cpu_ticks status pg_ticks idle_ticks busy_ticks conn_ms
 : >"$results"
+raises=$work/raises.tsv # run stale sample raise_ms plain_ms ended_zf001 ended_other survived committed alive
+: >"$raises"
 failures=0
 
-# run TARGET WORKLOAD RUN SECONDS: one pgbench run; RUN 0 is a warm-up (not recorded).
+# run TARGET CELL RUN SECONDS: one pgbench run; RUN 0 is a warm-up (not recorded).
 run() {
-	local target=$1 workload=$2 n=$3 secs=$4 out pid before after rc=0 tps lat ntx failed status=ok
+	local target=$1 cell=$2 n=$3 secs=$4 out pid before after rc=0 tps lat ntx failed conn status=ok
 	local pg_before pg_after idle_before idle_after busy_before busy_after
-	out=$work/pgbench-$workload-$target-$n.log
-	pgbench_cmd "$target" "$workload" "$secs"
+	out=$work/pgbench-${cell/\//-}-$target-$n.log
+	pgbench_cmd "$target" "$cell" "$secs"
 	prepare
 	pid=$(target_pid "$target")
 	before=0
@@ -374,8 +433,9 @@ run() {
 	[[ -n $pid ]] && after=$(cpu_ticks "$pid")
 	idle_after=$(idle_ticks) busy_after=$(busy_ticks)
 	pg_after=$(pg_cpu_ticks)
-	tps=$(sed -n 's/^tps = \([0-9.]*\) (without initial connection time)$/\1/p' "$out")
+	tps=$(sed -n 's/^tps = \([0-9.]*\) (without initial connection time)$/\1/p; s/^tps = \([0-9.]*\) (including reconnection times)$/\1/p' "$out")
 	lat=$(sed -n 's/^latency average = \([0-9.]*\) ms$/\1/p' "$out")
+	conn=$(sed -n 's/^average connection time = \([0-9.]*\) ms$/\1/p' "$out")
 	ntx=$(sed -n 's/^number of transactions actually processed: \([0-9]*\).*/\1/p' "$out")
 	failed=$(sed -n 's/^number of failed transactions: \([0-9]*\).*/\1/p' "$out")
 	if ((rc == 124 || rc == 137)); then
@@ -385,48 +445,96 @@ run() {
 	fi
 	if [[ $status != ok ]]; then
 		failures=$((failures + 1))
-		say "$workload $target run $n: $status; pgbench output ($out):"
+		say "$cell $target run $n: $status; pgbench output ($out):"
 		sed 's/^/    | /' "$out" | head -n 40
 		say "  command: $(printf '%q ' "${cmd[@]}")"
 	fi
 	((n == 0)) && return 0
-	printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$workload" "$target" "$n" "${tps:-0}" "${lat:-0}" \
+	printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$cell" "$target" "$n" "${tps:-0}" "${lat:-0}" \
 		"${ntx:-0}" "${failed:-0}" "$((after - before))" "$status" "$((pg_after - pg_before))" \
-		"$((idle_after - idle_before))" "$((busy_after - busy_before))" >>"$results"
-	printf 'bench: round %d  %-11s %-12s %10.0f tps  %7.3f ms  %s\n' "$n" "$workload" "$target" \
-		"${tps:-0}" "${lat:-0}" "$status"
+		"$((idle_after - idle_before))" "$((busy_after - busy_before))" "${conn:--}" >>"$results"
+	printf 'bench: round %d  %-20s %-11s %10.0f tps  %7.3f ms%s  %s\n' "$n" "$cell" "$target" \
+		"${tps:-0}" "${lat:-0}" "${conn:+  (connection ${conn} ms)}" "$status"
 }
 
-repro="BENCH_SECONDS=$seconds BENCH_RUNS=$runs BENCH_CLIENTS=$clients BENCH_THREADS=$threads BENCH_SCALE=$scale BENCH_PROTOCOL=$protocol BENCH_WORKLOADS='${workloads[*]}' BENCH_WARMUP=$warmup BENCH_FSYNC=$fsync BENCH_TARGETS='${targets[*]}'"
+raise_cmd=("$raise_bin" -proxy "postgres://postgres@127.0.0.1:$proxy_port/bench?sslmode=disable"
+	-direct "$db_url" -resource "$raise_resource")
+
+# raise_run RUN STALE_LIST: the raise measurement (bench/raise) for the comma-separated numbers of
+# stale sessions; RUN 0 is a warm-up (not recorded).
+raise_run() {
+	local n=$1 list=$2 out rc=0 line
+	out=$work/raise-$n.log
+	timeout -k 5 300 "${raise_cmd[@]}" -stale "$list" -samples "$raise_samples" >"$out" 2>&1 || rc=$?
+	if ((rc != 0)); then
+		failures=$((failures + 1))
+		say "raise run $n: FAILED(rc=$rc); its output ($out):"
+		sed 's/^/    | /' "$out" | head -n 40
+		say "  command: $(printf '%q ' "${raise_cmd[@]}") -stale $list -samples $raise_samples"
+	fi
+	((n == 0)) && return 0
+	while read -r line; do
+		printf 'bench: round %d  %s\n' "$n" "$line"
+		[[ $line == "raise stale="* ]] || continue
+		# raise stale=N sample=I token=T raise_ms=X plain_ms=Y ended_zf001=A ended_other=B survived=C committed=D alive=E
+		awk -v r="$n" '{ for (i = 2; i <= NF; i++) { split($i, kv, "="); v[kv[1]] = kv[2] }
+			printf "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", r, v["stale"], v["sample"], v["raise_ms"], v["plain_ms"],
+				v["ended_zf001"], v["ended_other"], v["survived"], v["committed"], v["alive"] }' <<<"$line" >>"$raises"
+	done < <(grep '^raise' "$out")
+}
+
+join_comma() { local IFS=,; echo "$*"; }
+
+repro="BENCH_SECONDS=$seconds BENCH_RUNS=$runs BENCH_CLIENTS=$clients BENCH_THREADS=$threads BENCH_SCALE=$scale BENCH_PROTOCOLS='${protocols[*]}' BENCH_WORKLOADS='${workloads[*]}' BENCH_CONNECT_CLIENTS=$connect_clients BENCH_CONNECT_TARGETS='${connect_targets[*]}' BENCH_RAISE_STALE='${raise_stale[*]}' BENCH_RAISE_SAMPLES=$raise_samples BENCH_WARMUP=$warmup BENCH_FSYNC=$fsync BENCH_TARGETS='${targets[*]}'"
 [[ ${#proxy_extra[@]} -gt 0 ]] && repro+=" BENCH_PROXY_ARGS='${proxy_extra[*]}'"
 [[ -n ${BENCH_BIN:-} ]] && repro+=" BENCH_BIN=$BENCH_BIN"
 repro+=" bash bench/bench.sh"
 
 say "fenceproxy: $(printf '%q ' "${proxy_cmd[@]}")"
 ((use_bouncer)) && say "pgbouncer:  $(pgbouncer --version | head -n1), session mode, pool $pool, 127.0.0.1:$bouncer_port"
-say "pgbench, one line per target (read-write shown; select-only uses -S instead of -N):"
-for t in "${targets[@]}"; do
-	pgbench_cmd "$t" read-write "$seconds"
-	say "  $(printf '%-12s' "$t") $(printf '%q ' "${cmd[@]}")"
+say "pgbench, one line per cell (first target shown; the others differ in -p and, for fenced, PGOPTIONS):"
+for c in "${cells[@]}"; do
+	cell_targets "$c"
+	pgbench_cmd "${cell_order[0]}" "$c" "$seconds"
+	say "  $(printf '%-20s' "$c") $(printf '%q ' "${cmd[@]}")"
 done
+say "  (fenced: the same as fenceproxy, with PGOPTIONS='$(target_options fenced)')"
+((${#raise_stale[@]} > 0)) && say "raise: $(printf '%q ' "${raise_cmd[@]}") -stale $(join_comma "${raise_stale[@]}") -samples $raise_samples"
 
 started=$SECONDS
 if ((warmup > 0)); then
-	say "warm-up: ${warmup}s per target and workload (not recorded)"
-	for w in "${workloads[@]}"; do for t in "${targets[@]}"; do run "$t" "$w" 0 "$warmup"; done; done
+	say "warm-up: ${warmup}s per cell and target (not recorded)"
+	for c in "${cells[@]}"; do
+		cell_targets "$c"
+		for t in "${cell_order[@]}"; do run "$t" "$c" 0 "$warmup"; done
+	done
+	if ((${#raise_stale[@]} > 0)); then raise_run 0 1; fi
 fi
-say "measuring: $runs round(s) x ${#workloads[@]} workloads x ${#targets[@]} targets x ${seconds}s"
-# Odd rounds run the targets in the listed order, even rounds in reverse (A B, B A, ...): no
-# target always runs first or right after another one.
-reversed=()
-for ((i = ${#targets[@]} - 1; i >= 0; i--)); do reversed+=("${targets[i]}"); done
+say "measuring: $runs round(s) x (${#cells[@]} cell(s) x their targets x ${seconds}s$( ((${#raise_stale[@]} > 0)) && echo ", then the raise with $(join_comma "${raise_stale[@]}") stale sessions x $raise_samples"))"
+# Odd rounds run the targets (and the raise's numbers of stale sessions) in the listed order,
+# even rounds in reverse (A B, B A, ...): no target always runs first or right after another one.
 for ((r = 1; r <= runs; r++)); do
-	order=("${targets[@]}")
-	((r % 2 == 0)) && order=("${reversed[@]}")
-	for w in "${workloads[@]}"; do for t in "${order[@]}"; do run "$t" "$w" "$r" "$seconds"; done; done
+	for c in "${cells[@]}"; do
+		cell_targets "$c"
+		order=("${cell_order[@]}")
+		if ((r % 2 == 0)); then
+			order=()
+			for ((i = ${#cell_order[@]} - 1; i >= 0; i--)); do order+=("${cell_order[i]}"); done
+		fi
+		for t in "${order[@]}"; do run "$t" "$c" "$r" "$seconds"; done
+	done
+	if ((${#raise_stale[@]} > 0)); then
+		stale_order=("${raise_stale[@]}")
+		if ((r % 2 == 0)); then
+			stale_order=()
+			for ((i = ${#raise_stale[@]} - 1; i >= 0; i--)); do stale_order+=("${raise_stale[i]}"); done
+		fi
+		raise_run "$r" "$(join_comma "${stale_order[@]}")"
+	fi
 done
 measured=$((SECONDS - started))
 load_after=$(cut -d' ' -f1-3 /proc/loadavg)
+bindings=$(psql_direct -d bench -At -c "SELECT count(*) FROM fence.bindings WHERE resource = '$resource'")
 
 proxy_pid=${service_pid[fenceproxy]}
 alive fenceproxy "$work/fenceproxy.log"
@@ -442,32 +550,51 @@ fi
 
 # --- report ------------------------------------------------------------------------------------
 
-commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-[[ -n $(git status --porcelain 2>/dev/null | head -n1) ]] && commit+=" (with uncommitted changes)"
 cpu_model=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n1)
 
 echo
 echo "==================================================================================="
 echo "fenceproxy benchmark  $(date -u +%Y-%m-%dT%H:%M:%SZ)  commit $commit"
 echo "machine: $(nproc) CPU(s), ${cpu_model:-unknown CPU}, Linux $(uname -r)"
-echo "PostgreSQL $("$pg_bin/postgres" --version | awk '{ print $3 }'), fsync=$fsync, max_connections=100," \
-	"shared_buffers=256MB;$( ((use_bouncer)) && echo " $(pgbouncer --version | head -n1) session mode;") pgbench -M $protocol" \
-	"-c $clients -j $threads -T $seconds, scale $scale, $runs run(s) per cell, interleaved"
+echo "PostgreSQL $("$pg_bin/postgres" --version | awk '{ print $3 }'), fsync=$fsync, max_connections=$max_connections," \
+	"shared_buffers=256MB;$( ((use_bouncer)) && echo " $(pgbouncer --version | head -n1) session mode;") pgbench -c $clients -j $threads" \
+	"-T $seconds (connect: -C -S -c $connect_clients), scale $scale, $runs round(s), interleaved"
 echo "targets over TCP 127.0.0.1; fenced = the proxy with PGOPTIONS='$(target_options fenced)'"
 echo "reproduce (from the repository root): $repro"
 echo
 
-awk -F'\t' -v order="${targets[*]}" -v hz="$clk_tck" -v wl="${workloads[*]}" -v runs_n="$runs" '
+awk -F'\t' -v order="${targets[*]}" -v corder="${connect_targets[*]}" -v hz="$clk_tck" -v cl="${cells[*]}" -v runs_n="$runs" '
 function median(list,   a, n, i, j, t) {
 	n = split(list, a, " ")
 	for (i = 2; i <= n; i++) { t = a[i]; for (j = i - 1; j >= 1 && a[j] + 0 > t + 0; j--) a[j + 1] = a[j]; a[j + 1] = t }
 	if (n == 0) return 0
 	return (n % 2) ? a[(n + 1) / 2] : (a[n / 2] + a[n / 2 + 1]) / 2
 }
+# targets(CELL): the targets of CELL, in order, into TT[1..return value]
+function targets(c) { return split(c ~ /^connect\// ? corder : order, TT, " ") }
+# perround(CELL, A, B, FIELD): the per-round ratios (FIELD "tps") or differences in us (FIELD
+# "conn": connection time, "lat": latency) of A and B: their median, min and max into PR_med,
+# PR_lo, PR_hi; returns how many rounds had both (0: none)
+function perround(c, a, b, f,   list, i, q, n) {
+	list = ""; n = 0
+	for (i = 1; i <= runs_n; i++) {
+		if (!((c, a, i) in round) || !((c, b, i) in round)) continue
+		if (f == "tps") { if (round[c, b, i] <= 0) continue; q = round[c, a, i] / round[c, b, i] }
+		else if (f == "lat") q = (rlat[c, a, i] - rlat[c, b, i]) * 1000
+		else { if (rconn[c, a, i] == "-" || rconn[c, b, i] == "-") continue; q = (rconn[c, a, i] - rconn[c, b, i]) * 1000 }
+		list = list " " q; n++
+		if (n == 1 || q < PR_lo) PR_lo = q
+		if (n == 1 || q > PR_hi) PR_hi = q
+	}
+	if (n == 0) return 0
+	PR_med = median(list)
+	return n
+}
 {
 	k = $1 SUBSEP $2
 	if ($9 == "ok") {
-		tps[k] = tps[k] " " $4; lat[k] = lat[k] " " $5; round[k, $3] = $4 + 0
+		tps[k] = tps[k] " " $4; lat[k] = lat[k] " " $5; round[$1, $2, $3] = $4 + 0; rconn[$1, $2, $3] = $13; rlat[$1, $2, $3] = $5 + 0
+		if ($13 != "-") conn[k] = conn[k] " " $13
 		if ($6 > 0) {
 			per = 1e6 / hz / $6
 			busy_us[k] = busy_us[k] " " $12 * per; pg_us[k] = pg_us[k] " " $10 * per
@@ -482,80 +609,136 @@ function median(list,   a, n, i, j, t) {
 	ntx[k] += $6; nfail[k] += $7; ticks[k] += $8
 }
 END {
-	nt = split(order, T, " "); nw = split(wl, W, " ")
-	printf "%-11s %-12s %10s %11s %9s %7s   %s\n", "workload", "target", "median TPS", "latency ms", "CPU us/tx", "max/min", "individual runs (TPS)"
-	for (w = 1; w <= nw; w++) for (t = 1; t <= nt; t++) {
-		k = W[w] SUBSEP T[t]
+	nc = split(cl, C, " ")
+	printf "%-20s %-11s %10s %11s %9s %7s   %s\n", "cell", "target", "median TPS", "latency ms", "CPU us/tx", "max/min", "individual runs (TPS)"
+	for (c = 1; c <= nc; c++) { nt = targets(C[c]); for (t = 1; t <= nt; t++) {
+		k = C[c] SUBSEP TT[t]
 		if (!(k in runs)) continue
 		m[k] = median(tps[k])
-		cpu = (T[t] ~ /^direct/ || ntx[k] == 0) ? "-" : sprintf("%.1f", ticks[k] / hz * 1e6 / ntx[k])
+		cpu = (TT[t] ~ /^direct/ || ntx[k] == 0) ? "-" : sprintf("%.1f", ticks[k] / hz * 1e6 / ntx[k])
 		spread = (lo[k] > 0) ? hi[k] / lo[k] : 0
 		if (spread > 1.3) noisy++
-		printf "%-11s %-12s %10.0f %11.3f %9s %7.2f  %s%s\n", W[w], T[t], m[k], median(lat[k]), cpu, spread, runs[k],
+		printf "%-20s %-11s %10.0f %11.3f %9s %7.2f  %s%s\n", C[c], TT[t], m[k], median(lat[k]), cpu, spread, runs[k],
 			(bad[k] ? sprintf("  (%d failed run(s), marked !)", bad[k]) : "") (nfail[k] ? sprintf("  (%d failed transactions)", nfail[k]) : "")
-	}
+	} }
 	print ""
-	print "latency ms: median of the runs\x27 average latency; CPU us/tx: CPU time of the proxy or pgbouncer process"
-	print "during the runs, per transaction (includes the proxy\x27s background work, if any);"
-	print "max/min: fastest run over slowest run of the cell"
+	print "latency ms: median of the runs\x27 average latency (connect: connection, SELECT and disconnection);"
+	print "CPU us/tx: CPU time of the proxy or pgbouncer process during the runs, per transaction (includes"
+	print "the proxy\x27s background work, if any); max/min: fastest run over slowest run of the cell"
 	if (noisy) printf "WARNING: in %d cell(s) the runs differ by more than 30%%: the machine was busy (see the load\naverage below); rerun on a quiet machine, or with more BENCH_RUNS, before trusting the ratios\n", noisy
 	print ""
 	print "CPU time per transaction, us (median of the runs): the machine\x27s busy time split into PostgreSQL"
 	print "(postmaster and all its processes), the middleman (proxy or pgbouncer) and the rest (pgbench,"
 	print "the kernel\x27s own threads, anything else running); idle: time no CPU had work"
-	printf "%-11s %-12s %9s %11s %10s %9s %9s\n", "workload", "target", "busy", "PostgreSQL", "middleman", "rest", "idle"
-	for (w = 1; w <= nw; w++) for (t = 1; t <= nt; t++) {
-		k = W[w] SUBSEP T[t]
+	printf "%-20s %-11s %9s %11s %10s %9s %9s\n", "cell", "target", "busy", "PostgreSQL", "middleman", "rest", "idle"
+	for (c = 1; c <= nc; c++) { nt = targets(C[c]); for (t = 1; t <= nt; t++) {
+		k = C[c] SUBSEP TT[t]
 		if (!(k in busy_us)) continue
-		printf "%-11s %-12s %9.1f %11.1f %10s %9.1f %9.1f\n", W[w], T[t], median(busy_us[k]), median(pg_us[k]),
-			(T[t] ~ /^direct/) ? "-" : sprintf("%.1f", median(mid_us[k])), median(rest_us[k]), median(idle_us[k])
+		printf "%-20s %-11s %9.1f %11.1f %10s %9.1f %9.1f\n", C[c], TT[t], median(busy_us[k]), median(pg_us[k]),
+			(TT[t] ~ /^direct/) ? "-" : sprintf("%.1f", median(mid_us[k])), median(rest_us[k]), median(idle_us[k])
+	} }
+
+	# The ratios: one row per cell, the pairs whose two targets ran in it.
+	np = split("fenced/fenceproxy fenceproxy/direct pgbouncer/direct fenceproxy/pgbouncer fenced/direct", P, " ")
+	label["fenced/fenceproxy"] = "fenced/unfenced"
+	label["fenceproxy/direct"] = "unfenced/direct"
+	label["fenceproxy/pgbouncer"] = "unfenced/pgbouncer"
+	for (p = 1; p <= np; p++) {
+		split(P[p], ab, "/")
+		for (c = 1; c <= nc; c++) if ((C[c] SUBSEP ab[1]) in runs && (C[c] SUBSEP ab[2]) in runs) { use[p] = 1; shown++ }
 	}
 	print ""
-	printf "%-34s", "ratio of median TPS"
-	for (w = 1; w <= nw; w++) printf " %12s", W[w]
-	print ""
-	nr = split("fenceproxy/direct pgbouncer/direct fenceproxy/pgbouncer fenced/fenceproxy direct-check/direct parsed/fenceproxy fenced/parsed", R, " ")
-	label["fenced/fenceproxy"] = "fenced/unfenced (both via proxy)"
-	label["direct-check/direct"] = "direct-check/direct (check in DB)"
-	label["parsed/fenceproxy"] = "parsed/unfenced (the parse alone)"
-	label["fenced/parsed"] = "fenced/parsed (the check on top)"
-	for (r = 1; r <= nr; r++) {
-		split(R[r], ab, "/")
-		# only the ratios whose two targets ran
-		if (!(W[1] SUBSEP ab[1] in runs) || !(W[1] SUBSEP ab[2] in runs)) continue
-		shown++
-		printf "%-34s", (R[r] in label) ? label[R[r]] : R[r]
-		for (w = 1; w <= nw; w++) {
-			a = W[w] SUBSEP ab[1]; b = W[w] SUBSEP ab[2]
-			if (m[a] > 0 && m[b] > 0) printf " %12.3f", m[a] / m[b]; else printf " %12s", "n/a"
-		}
+	if (!shown) { print "ratios: none (no cell ran two of the targets these ratios compare)" }
+	else {
+		print "ratio of median TPS (fenced/unfenced: both through the proxy, the cost of fencing)"
+		printf "%-20s", "cell"
+		for (p = 1; p <= np; p++) if (use[p]) printf " %19s", (P[p] in label) ? label[P[p]] : P[p]
 		print ""
-	}
-	if (!shown) { print "(none: BENCH_TARGETS has no pair of targets that these ratios compare)"; exit }
-	# The same ratios taken round by round: the two runs of a round are minutes apart at most, so
-	# a slow drift of the machine (other tenants) cancels out of each ratio.
-	print ""
-	printf "%-34s", "median of per-round ratios"
-	for (w = 1; w <= nw; w++) printf " %19s", W[w] " (min-max)"
-	print ""
-	for (r = 1; r <= nr; r++) {
-		split(R[r], ab, "/")
-		if (!(W[1] SUBSEP ab[1] in runs) || !(W[1] SUBSEP ab[2] in runs)) continue
-		printf "%-34s", (R[r] in label) ? label[R[r]] : R[r]
-		for (w = 1; w <= nw; w++) {
-			list = ""; lo_r = 0; hi_r = 0
-			for (i = 1; i <= runs_n; i++) {
-				a = W[w] SUBSEP ab[1]; b = W[w] SUBSEP ab[2]
-				if (!((a, i) in round) || !((b, i) in round) || round[b, i] <= 0) continue
-				q = round[a, i] / round[b, i]; list = list " " q
-				if (lo_r == 0 || q < lo_r) lo_r = q
-				if (q > hi_r) hi_r = q
+		for (c = 1; c <= nc; c++) {
+			printf "%-20s", C[c]
+			for (p = 1; p <= np; p++) if (use[p]) {
+				split(P[p], ab, "/"); a = C[c] SUBSEP ab[1]; b = C[c] SUBSEP ab[2]
+				if (m[a] > 0 && m[b] > 0) printf " %19.3f", m[a] / m[b]; else printf " %19s", "-"
 			}
-			if (list == "") printf " %19s", "n/a"; else printf " %7.3f (%.2f-%.2f)", median(list), lo_r, hi_r
+			print ""
 		}
+		# The same ratios taken round by round: the two runs of a round are minutes apart at most,
+		# so a slow drift of the machine (other tenants) cancels out of each ratio.
 		print ""
+		print "median of the per-round ratios (min-max)"
+		printf "%-20s", "cell"
+		for (p = 1; p <= np; p++) if (use[p]) printf " %19s", (P[p] in label) ? label[P[p]] : P[p]
+		print ""
+		for (c = 1; c <= nc; c++) {
+			printf "%-20s", C[c]
+			for (p = 1; p <= np; p++) if (use[p]) {
+				split(P[p], ab, "/")
+				if (perround(C[c], ab[1], ab[2], "tps")) printf " %7.3f (%.2f-%.2f)", PR_med, PR_lo, PR_hi
+				else printf " %19s", "-"
+			}
+			print ""
+		}
+	}
+
+	# The session start: pgbench -C reports the average time of a connection (to ReadyForQuery: a
+	# fenced session with its bind); its latency is connection, statements and disconnection.
+	for (c = 1; c <= nc; c++) if (C[c] ~ /^connect\//) {
+		print ""
+		print "session start (" C[c] ", pgbench -C): medians of the runs\x27 average connection time (to"
+		print "ReadyForQuery) and latency (connect, transaction, disconnect), ms"
+		nt = targets(C[c])
+		for (t = 1; t <= nt; t++) {
+			k = C[c] SUBSEP TT[t]
+			if (!(k in tps)) continue
+			cm[TT[t]] = (k in conn) ? median(conn[k]) : "-"; lm[TT[t]] = median(lat[k])
+			printf "  %-11s connection %8s   transaction %8.3f\n", TT[t], cm[TT[t]] == "-" ? "-" : sprintf("%.3f", cm[TT[t]]), lm[TT[t]]
+		}
+		np = split("fenced/fenceproxy/the bind through the proxy:direct-bind/direct/the bind\x27s SQL in the database alone:fenceproxy/direct/the proxy\x27s hop (unfenced)", D, ":")
+		for (p = 1; p <= np; p++) {
+			split(D[p], ab, "/")
+			if (!(ab[1] in lm) || !(ab[2] in lm)) continue
+			printf "  %s, %s - %s:\n", ab[3], ab[1] == "fenceproxy" ? "unfenced" : ab[1], ab[2] == "fenceproxy" ? "unfenced" : ab[2]
+			if (cm[ab[1]] != "-" && cm[ab[2]] != "-" && ab[1] != "direct-bind") {
+				printf "    connection  %+6.0f us (medians)", (cm[ab[1]] - cm[ab[2]]) * 1000
+				if (perround(C[c], ab[1], ab[2], "conn")) printf "; per round %+.0f us (%+.0f to %+.0f)", PR_med, PR_lo, PR_hi
+				print ""
+			}
+			printf "    transaction %+6.0f us (medians)", (lm[ab[1]] - lm[ab[2]]) * 1000
+			if (perround(C[c], ab[1], ab[2], "lat")) printf "; per round %+.0f us (%+.0f to %+.0f)", PR_med, PR_lo, PR_hi
+			print ""
+		}
 	}
 }' "$results"
+
+if [[ -s $raises ]]; then
+	echo
+	echo "raise latency (bench/raise): connect through the proxy with token t+1 until ReadyForQuery while N"
+	echo "sessions with token t are open (half of them idle in a transaction with an uncommitted INSERT);"
+	echo "its bind raises the token, ends the N backends and waits for them before it commits. plain: the"
+	echo "same connect again (a bind, nothing to raise). ms, over every sample of every round:"
+	awk -F'\t' '
+	function sorted(list, a,   n, i, j, t) {
+		n = split(list, a, " ")
+		for (i = 2; i <= n; i++) { t = a[i]; for (j = i - 1; j >= 1 && a[j] + 0 > t + 0; j--) a[j + 1] = a[j]; a[j + 1] = t }
+		return n
+	}
+	function stat(list,   a, n) {
+		n = sorted(list, a)
+		return sprintf("%8.2f %8.2f %8.2f", (n % 2) ? a[(n + 1) / 2] : (a[n / 2] + a[n / 2 + 1]) / 2, a[1], a[n])
+	}
+	{ if (!($2 in cnt)) ns[++nn] = $2; cnt[$2]++; rl[$2] = rl[$2] " " $4; pl[$2] = pl[$2] " " $5
+	  zf[$2] += $6; ot[$2] += $7; bad[$2] += $8 + $9 + $10 }
+	END {
+		# by N, ascending
+		for (i = 2; i <= nn; i++) { t = ns[i]; for (j = i - 1; j >= 1 && ns[j] + 0 > t + 0; j--) ns[j + 1] = ns[j]; ns[j + 1] = t }
+		printf "%7s %8s %8s %8s %8s   %8s %8s %8s   %s\n", "stale", "median", "min", "max", "samples", "plain", "min", "max", "the stale sessions"
+		for (i = 1; i <= nn; i++) {
+			n = ns[i]
+			printf "%7d %s %8d   %s   %d ended with ZF001, %d otherwise%s\n", n, stat(rl[n]), cnt[n], stat(pl[n]), zf[n], ot[n],
+				bad[n] ? sprintf(", %d FAILED (survived, committed or alive)", bad[n]) : ""
+		}
+	}' "$raises"
+fi
 
 echo
 printf 'fenceproxy: peak RSS (VmHWM) %.1f MiB, RSS at end %.1f MiB, %s threads, CPU time %.1f s (user+sys, whole run)\n' \
@@ -564,6 +747,7 @@ if ((use_bouncer)); then
 	printf 'pgbouncer:  peak RSS (VmHWM) %.1f MiB, CPU time %.1f s\n' \
 		"$(echo "$bouncer_hwm / 1024" | bc -l)" "$(echo "$bouncer_cpu / $clk_tck" | bc -l)"
 fi
+echo "fence.bindings: $bindings row(s) of resource $resource at the end (one per fenced backend started; a row leaves when its pid is bound again or at the next raise of the resource)"
 problems=$(grep -ciE '"level":"(warn|error|dpanic|panic|fatal)"|\b(WARN|ERROR|PANIC|FATAL)\b' "$work/fenceproxy.log" || true)
 echo "fenceproxy log: $problems line(s) at warn or above$([[ $problems -gt 0 ]] && echo ', first ones:')"
 if [[ $problems -gt 0 ]]; then head -n 10 "$work/fenceproxy.log" | cut -c1-300 | sed 's/^/    | /'; fi
@@ -573,6 +757,6 @@ echo "measured in ${measured}s (warm-up included); whole run $((SECONDS))s"
 echo "reproduce (from the repository root): $repro"
 echo "==================================================================================="
 if ((failures > 0)); then
-	say "$failures pgbench run(s) failed: see the output above"
+	say "$failures run(s) failed (pgbench, or the raise measurement): see the output above"
 	exit 1
 fi

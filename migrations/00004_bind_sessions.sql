@@ -234,6 +234,26 @@ $fn$;
 -- +goose StatementEnd
 REVOKE ALL ON FUNCTION fence.refuse_prepared(text, bigint) FROM PUBLIC;
 
+-- fence.forget_exited(resource): removes the bindings of resource's backends that have exited.
+-- One anti-join against the activity list (a live pid whose backend_start reads NULL counts as
+-- live). Not granted to PUBLIC.
+-- +goose StatementBegin
+CREATE FUNCTION fence.forget_exited(resource text)
+RETURNS void
+LANGUAGE sql
+VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+SELECT pg_stat_clear_snapshot();
+DELETE FROM fence.bindings AS b
+WHERE b.resource = $1
+  AND NOT EXISTS (SELECT 1 FROM pg_stat_get_activity(NULL) AS a
+                  WHERE a.pid = b.pid AND (a.backend_start = b.backend_start OR a.backend_start IS NULL));
+$fn$;
+-- +goose StatementEnd
+REVOKE ALL ON FUNCTION fence.forget_exited(text) FROM PUBLIC;
+
 -- fence.end_stale(resource, token, timeout): (P2) and (P4) for a raise of resource to token.
 -- The caller holds resource's row of fence.tokens FOR UPDATE. Ends every live backend bound
 -- to a lower token, waits until each one has exited (at most timeout), removes the bindings
@@ -303,10 +323,7 @@ BEGIN
 
     -- Every backend bound to R that is not alive any more, lower token or not, leaves.
     PERFORM pg_stat_clear_snapshot();
-    DELETE FROM fence.bindings AS b
-    WHERE b.resource = p_resource
-      AND NOT EXISTS (SELECT 1 FROM pg_stat_get_activity(b.pid) AS a
-                      WHERE a.backend_start = b.backend_start OR a.backend_start IS NULL);
+    PERFORM fence.forget_exited(p_resource);
 
     -- (P4) After (P2): no stale backend is left to prepare a transaction.
     PERFORM fence.refuse_prepared(p_resource, p_token);
@@ -431,6 +448,12 @@ BEGIN
     -- backends).
     WITH gone AS (DELETE FROM fence.bindings AS b WHERE b.pid = me)
     INSERT INTO fence.bindings (pid, backend_start, resource, token) VALUES (me, started, p_resource, p_token);
+    -- Rows of exited backends whose pid is not reused stay until a raise; one bind in 64 (by
+    -- pid) removes those of its resource, so that a leader that keeps its token for weeks of
+    -- reconnections does not grow the table with the pid space.
+    IF me % 64 = 0 THEN
+        PERFORM fence.forget_exited(p_resource);
+    END IF;
     RETURN stored;
 END
 $fn$;

@@ -8,8 +8,9 @@
 # which resumes the run; then the demo wakes the old leader (SIGCONT), which still believes it
 # leads and tries to finish its charge.
 #
-#   1. through fenceproxy: the old leader's commit is refused (SQLSTATE ZF001), every customer
-#      is charged exactly once;
+#   1. through fenceproxy: the new leader's session start raises the token, which ends the old
+#      leader's session (its uncommitted charge rolls back); the old leader's next statement is
+#      refused (SQLSTATE ZF001), every customer is charged exactly once;
 #   2. the same scenario straight to PostgreSQL: the old leader's charge commits, a customer is
 #      charged twice.
 #
@@ -236,13 +237,22 @@ wait_for Consul 60 consul_ready
 
 admin_url="postgres://postgres:postgres@127.0.0.1:$pg_port/billing?sslmode=disable"
 sql postgres -c 'CREATE DATABASE billing'
+# The proxy key: `fenceproxy migrate --key-file` creates the file (a random key) and stores the
+# key in the database; the proxy proves its binds and raises with it (`serve --key-file`). In
+# docker-compose.yml the file sits on a volume that the migrate and fenceproxy services share.
+# The schema's owner is the superuser postgres here, which may end the billing role's backends
+# at a raise (a non-superuser owner would need pg_signal_backend and pg_read_all_stats).
+mkdir -p "$work/keys"
+key_file=$work/keys/fenceproxy.key
+say "proxy key file $key_file"
 start migrate "$work/migrate.log" "$work/migrate.log" \
-	fenceproxy migrate --database "$admin_url"
+	fenceproxy migrate --database "$admin_url" --key-file "$key_file"
 wait "${service_pid[migrate]}" || die "fenceproxy migrate failed: $(cat "$work/migrate.log")"
+[[ -s $key_file ]] || die "fenceproxy migrate created no key file $key_file: $(cat "$work/migrate.log")"
 
 start fenceproxy "$work/fenceproxy.log" "$work/fenceproxy.log" \
 	fenceproxy serve --listen "127.0.0.1:$proxy_port" --upstream "postgres://127.0.0.1:$pg_port" \
-	--resource billing=locks/billing --consul-addr "127.0.0.1:$consul_port" \
+	--resource billing=locks/billing --key-file "$key_file" --consul-addr "127.0.0.1:$consul_port" \
 	--control-database "$admin_url" --log-format console
 proxy_ready() { alive fenceproxy "$work/fenceproxy.log" && listening "$proxy_port"; }
 wait_for fenceproxy 30 proxy_ready
@@ -379,7 +389,7 @@ report() {
 	done >"$dir/locks.events"
 	# And fenceproxy's, in the run that goes through it.
 	if [[ $run == fenced ]]; then
-		awk -F '\t' '$4 ~ /^raised token|^session went stale/ {
+		awk -F '\t' '$4 ~ /^raised token|^ending stale session/ {
 			t = $1; sub(/Z$/, "000Z", t)
 			token = $5; sub(/.*"token": */, "", token); sub(/[,}].*/, "", token)
 			admitted = $5; sub(/.*"admitted": */, "", admitted); sub(/[,}].*/, "", admitted)

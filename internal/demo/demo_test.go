@@ -29,6 +29,11 @@ const demoTimeout = 6 * time.Minute
 // replicas are the billing replicas, in both the local demo and docker-compose.yml.
 var replicas = []string{"billing-1", "billing-2", "billing-3"}
 
+// composeKeyFile is the proxy key file in docker-compose.yml: on the volume that the migrate
+// service writes it to and the fenceproxy service reads it from. The local demo's key file,
+// in its temporary folder, stands for it.
+const composeKeyFile = "/var/lib/fenceproxy/fenceproxy.key"
+
 // repoRoot is the folder holding go.mod.
 func repoRoot(t *testing.T) string {
 	t.Helper()
@@ -54,6 +59,7 @@ type demoRun struct {
 	summary  map[string]int    // "customers charged" -> 12, ...
 	services map[string]string // service name -> the command line it ran
 	addrs    map[string]string // "127.0.0.1:PORT" -> the compose address of that service
+	keyFile  string            // the proxy key file of the local demo (composeKeyFile in compose)
 }
 
 // runDemo runs scripts/demo.sh with short timings and returns what it printed; the script
@@ -94,6 +100,7 @@ var (
 	summaryLine = regexp.MustCompile(`^([a-z ]+): ([0-9]+)$`)
 	serviceLine = regexp.MustCompile(`^demo: service ([a-z0-9/-]+): (.*)$`)
 	addrLine    = regexp.MustCompile(`^demo: (PostgreSQL|Consul v[0-9.]+|fenceproxy) on (127\.0\.0\.1:[0-9]+)`)
+	keyLine     = regexp.MustCompile(`^demo: proxy key file (/[^ ]+)$`)
 )
 
 func parseDemo(t *testing.T, output string) *demoRun {
@@ -113,6 +120,9 @@ func parseDemo(t *testing.T, output string) *demoRun {
 		}
 		if m := serviceLine.FindStringSubmatch(line); m != nil {
 			r.services[m[1]] = m[2]
+		}
+		if m := keyLine.FindStringSubmatch(line); m != nil {
+			r.keyFile = m[1]
 		}
 		if m := addrLine.FindStringSubmatch(line); m != nil {
 			what := m[1]
@@ -175,6 +185,9 @@ func TestDemo(t *testing.T) {
 	})
 
 	t.Run("compose runs the same commands", func(t *testing.T) {
+		if r.keyFile == "" {
+			t.Fatal(`scripts/demo.sh printed no "demo: proxy key file PATH" line`)
+		}
 		compose := loadCompose(t)
 		for _, name := range append([]string{"migrate", "fenceproxy"}, replicas...) {
 			t.Run(name, func(t *testing.T) {
@@ -204,7 +217,8 @@ func TestDemo(t *testing.T) {
 
 // localCommand splits a command line the demo printed into its leading VAR=VALUE
 // assignments and its arguments, with loopback addresses replaced by the compose
-// service addresses they stand for. The demo passes no argument containing a space.
+// service addresses they stand for, and the local key file by composeKeyFile. The demo
+// passes no argument containing a space.
 func (r *demoRun) localCommand(line string) (env map[string]string, args []string) {
 	env = map[string]string{}
 	fields := strings.Fields(line)
@@ -219,6 +233,9 @@ func (r *demoRun) localCommand(line string) (env map[string]string, args []strin
 	for _, f := range fields {
 		for local, service := range r.addrs {
 			f = strings.ReplaceAll(f, local, service)
+		}
+		if r.keyFile != "" && f == r.keyFile {
+			f = composeKeyFile
 		}
 		args = append(args, f)
 	}
@@ -383,6 +400,36 @@ func TestComposeFile(t *testing.T) {
 				!strings.Contains(svc.Command[j+1], "@fenceproxy:6432/") {
 				t.Errorf("%s: --database-url must point at the fenceproxy service: %q", name, svc.Command)
 			}
+		}
+	})
+
+	// v2 fencing: migrate creates the proxy key file and stores the key in the database; the
+	// proxy reads the same file. Both services mount one named volume at its folder.
+	t.Run("key file", func(t *testing.T) {
+		dir := filepath.Dir(composeKeyFile)
+		var volume []string
+		for _, name := range []string{"migrate", "fenceproxy"} {
+			svc := f.Services[name]
+			if i := slices.Index(svc.Command, "--key-file"); i < 0 || i+1 >= len(svc.Command) || svc.Command[i+1] != composeKeyFile {
+				t.Errorf("%s: want --key-file %s in its command %q", name, composeKeyFile, svc.Command)
+			}
+			found := ""
+			for _, v := range svc.Volumes {
+				var spec string
+				if json.Unmarshal(v, &spec) != nil {
+					continue
+				}
+				if parts := strings.Split(spec, ":"); len(parts) >= 2 && parts[1] == dir && !strings.HasPrefix(parts[0], "/") && !strings.HasPrefix(parts[0], ".") {
+					found = parts[0]
+				}
+			}
+			if found == "" {
+				t.Errorf("%s: no named volume mounted at %s; volumes: %s", name, dir, svc.Volumes)
+			}
+			volume = append(volume, found)
+		}
+		if len(volume) == 2 && volume[0] != volume[1] {
+			t.Errorf("migrate mounts volume %q at %s, fenceproxy %q: they must share the key file", volume[0], dir, volume[1])
 		}
 	})
 

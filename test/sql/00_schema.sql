@@ -4,7 +4,7 @@
 \ir _psql.psql
 
 BEGIN;
-SELECT plan(88);
+SELECT plan(90);
 \ir _helpers.psql
 
 -- A role with no grant of its own: it has exactly what PUBLIC has.
@@ -65,7 +65,7 @@ SELECT lives_ok($$INSERT INTO fence.keys (key) VALUES (sha256('fenceproxy pgTAP 
 SELECT throws_ok($$INSERT INTO fence.keys (id, key) VALUES (2, sha256('another key'::bytea))$$,
     '23514', NULL, 'fence.keys holds one row only (id 1)');
 
--- The functions: exactly these nine; all but fence.mac (a plain expression that fence.bind's
+-- The functions: exactly these ten; all but fence.mac (a plain expression that fence.bind's
 -- query inlines, which needs SECURITY INVOKER and no SET) SECURITY DEFINER with a pinned
 -- search_path.
 SELECT has_function('fence', 'bind', ARRAY['text', 'bigint', 'text']);
@@ -77,12 +77,13 @@ SELECT has_function('fence', 'end_stale', ARRAY['text', 'bigint', 'interval']);
 SELECT has_function('fence', 'raise_locked', ARRAY['text', 'bigint']);
 SELECT has_function('fence', 'mac', ARRAY['bytea', 'text', 'text', 'bigint', 'integer']);
 SELECT has_function('fence', 'refuse_prepared', ARRAY['text', 'bigint']);
+SELECT has_function('fence', 'forget_exited', ARRAY['text']);
 SELECT function_returns('fence', 'bind', ARRAY['text', 'bigint', 'text'], 'bigint');
 SELECT function_returns('fence', 'raise', ARRAY['text', 'bigint', 'text'], 'bigint');
 SELECT function_returns('fence', 'reset', ARRAY['text', 'bigint'], 'bigint');
 SELECT function_returns('fence', 'proof', ARRAY['text', 'text', 'bigint', 'integer'], 'text');
-SELECT is((SELECT count(*) FROM pg_proc WHERE pronamespace = 'fence'::regnamespace), 9::bigint,
-    'the fence schema holds exactly nine functions');
+SELECT is((SELECT count(*) FROM pg_proc WHERE pronamespace = 'fence'::regnamespace), 10::bigint,
+    'the fence schema holds exactly ten functions');
 SELECT is(array_agg(p.oid::regprocedure::text ORDER BY p.oid::regprocedure::text), NULL,
     'every fence function is SECURITY DEFINER')
 FROM pg_proc AS p WHERE p.pronamespace = 'fence'::regnamespace AND NOT p.prosecdef
@@ -147,6 +148,8 @@ SELECT function_privs_are('fence', 'mac', ARRAY['bytea', 'text', 'text', 'bigint
     'PUBLIC may not execute fence.mac');
 SELECT function_privs_are('fence', 'refuse_prepared', ARRAY['text', 'bigint'], 'tap_nobody', ARRAY[]::text[],
     'PUBLIC may not execute fence.refuse_prepared');
+SELECT function_privs_are('fence', 'forget_exited', ARRAY['text'], 'tap_nobody', ARRAY[]::text[],
+    'PUBLIC may not execute fence.forget_exited');
 SELECT is((SELECT relpersistence::text FROM pg_class WHERE oid = 'fence.bindings'::regclass), 'u',
     'fence.bindings is UNLOGGED: a binding means nothing once its backend is gone, and no backend outlives a crash');
 SELECT is((SELECT relpersistence::text FROM pg_class WHERE oid = 'fence.tokens'::regclass), 'p',

@@ -4,7 +4,7 @@
 \ir _psql.psql
 
 BEGIN;
-SELECT plan(60);
+SELECT plan(62);
 \ir _helpers.psql
 
 SELECT pg_temp.store_key() \g /dev/null
@@ -169,6 +169,17 @@ SELECT dblink_exec('s', 'SET synchronous_commit = off; BEGIN') \g /dev/null
 SELECT is(pg_temp.bind('s', 'tap-bind', 35), 35::bigint, 'a bind that raises in a session with synchronous_commit off');
 SELECT is(pg_temp.remote('s', 'SHOW synchronous_commit'), 'local', '... commits with its WAL flushed all the same (P7)');
 SELECT dblink_exec('s', 'COMMIT') \g /dev/null
+
+-- Exited backends' rows go (fence.forget_exited, run by raises and by one bind in 64), a live
+-- backend's row stays.
+SELECT pg_temp.connect('s', 'tap_leader') \g /dev/null
+SELECT pg_temp.remote_pid('s') AS s_pid \gset
+SELECT is(pg_temp.bind('s', 'tap-bind-gc', 1), 1::bigint, 'a live backend bound to tap-bind-gc');
+SELECT dblink_exec('adm', $$INSERT INTO fence.bindings (pid, backend_start, resource, token)
+    SELECT 4000000 + g, '2000-01-01', 'tap-bind-gc', 1 FROM generate_series(1, 50) AS g$$) \g /dev/null
+SELECT * FROM dblink('adm', $$SELECT fence.forget_exited('tap-bind-gc')::text$$) AS t(x text) \g /dev/null
+SELECT is((SELECT array_agg(pid) FROM fence.bindings WHERE resource = 'tap-bind-gc'), ARRAY[:s_pid],
+    'fence.forget_exited removes the 50 rows of exited backends and keeps the live one');
 
 SELECT dblink_exec('adm', $$
     DELETE FROM fence.tokens WHERE resource LIKE 'tap-bind%';
