@@ -126,16 +126,22 @@ func (sess *session) endFencing(fe *fence.Error, answering bool) {
 		waiting := sess.outstanding
 		sess.outstanding = 0
 		sess.mu.Unlock()
+		var err error
 		switch {
 		case waiting > 0:
 			for range waiting {
-				sess.writeClientError(resp)        //nolint:errcheck // the connection closes anyway
-				sess.writeClient('Z', []byte{'I'}) //nolint:errcheck
+				err = errors.Join(err, sess.writeClientError(resp), sess.writeClient('Z', []byte{'I'}))
 			}
 		case !answering:
-			sess.writeClientError(fe.Response(wire.SeverityFatal)) //nolint:errcheck
+			err = sess.writeClientError(fe.Response(wire.SeverityFatal))
 		}
-		sess.flushClient() //nolint:errcheck
+		if err = errors.Join(err, sess.flushClient()); err != nil {
+			// The client does not read (frozen with a result half sent, whose
+			// write just failed at the deadline): no answer can reach it
+			// whole, and lingering would leave it waiting for the rest.
+			sess.client.Close()
+			return
+		}
 		sess.lingerResp.Store(resp)
 		sess.client.SetReadDeadline(time.Now().Add(staleLinger)) //nolint:errcheck
 	})

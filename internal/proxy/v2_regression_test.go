@@ -1585,20 +1585,15 @@ INSERT INTO public.v2_planted SELECT generate_series(1, 20);`, pgx.QueryExecMode
 // connection is what a proxy that did not hear of the raise may give): within
 // seconds, never a hang.
 //
-// KNOWN BUG at ad76f6b (run with FENCEPROXY_KNOWN_BUGS=1): through the
-// listening proxy the client hangs until staleLinger (5 minutes). endFencing
-// sets a 1 s write deadline on the client connection and waits for cwMu,
-// which serverToClient holds while it is blocked writing the result to the
-// client; the deadline fails that write, the client's bufio.Writer keeps the
-// error, so endFencing's ERROR ZF001 and ReadyForQuery are never sent, and the
-// client, holding part of a DataRow, waits for its rest while the proxy
-// lingers for the client's next unit. (The proxy that did not hear of the
-// raise writes its FATAL after the partial message and closes: the client
-// reads garbage, then EOF.)
+// A stale session whose client has not read its pending output (a frozen
+// leader) must end, not hang: through the listening proxy the answer cannot
+// reach a client that holds part of a message, so the connection closes
+// (before the fix the proxy lingered for the client's next unit and the client
+// waited for the rest of its message for staleLinger, 5 minutes). Through the
+// proxy that did not hear of the raise, many rows end with the proxy's FATAL
+// 08006; one row larger than the relay's buffer ends inside the row, then the
+// connection closes.
 func TestV2StaleSessionMidResult(t *testing.T) {
-	if os.Getenv("FENCEPROXY_KNOWN_BUGS") == "" {
-		t.Skip("known bug at ad76f6b: a stale client that has not read its output hangs until staleLinger; set FENCEPROXY_KNOWN_BUGS=1 to run")
-	}
 	t.Parallel()
 	e := v2StartEnv(t, []string{"midresult"})
 	ctx := v2Ctx(t)
