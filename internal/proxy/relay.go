@@ -201,19 +201,21 @@ func (sess *session) busy() bool {
 }
 
 // endWhenStale ends a fenced session as soon as the registry says a higher
-// token was admitted for its resource. When a query is in flight it is
-// cancelled first: the backend may still be alive (Consul showed a new holder
-// before any raise), and closing its connection alone would let the running
-// statement go on until it next talks to the client.
+// token was admitted for its resource. A query in flight is cancelled too: the
+// backend may still be alive (Consul showed a new holder before any raise), and
+// closing its connection alone would let the running statement go on until it
+// next talks to the client.
 func (sess *session) endWhenStale() {
 	select {
 	case <-sess.staleCh:
 		busy := sess.busy()
 		sess.log.Info("ending stale session", zap.Int64("admitted", sess.admitted.Load()), zap.Bool("in_flight", busy))
+		sess.endFencing(sess.staleError(), false)
 		if busy {
+			// After the end: the query's cancellation error must not reach the
+			// client before the fencing error does.
 			sess.cancelInFlight()
 		}
-		sess.endFencing(sess.staleError(), false)
 	case <-sess.done:
 	}
 }
