@@ -36,9 +36,14 @@ import (
 // trace says which one is stuck; both end the session through end, once.
 
 // staleWait is how long a fenced session whose backend the server ended waits
-// for the registry to learn of the raise (a notification a few milliseconds
-// after the raise commits), to say ZF001 instead of relaying the server's 57P01.
-const staleWait = time.Second
+// for the registry to learn of the raise (the raise commits about a
+// millisecond after its last victim exits, and its notification or the
+// proxy's own bind follows within milliseconds), to say ZF001 instead of
+// relaying the server's 57P01. Short, because a backend ended for another
+// reason (an administrator's pg_terminate_backend) is reported this much later
+// than it would be without the proxy: psycopg's own tests expect it within
+// 0.4 s.
+const staleWait = 250 * time.Millisecond
 
 // staleLinger is how long the client connection of a session ended with a
 // fencing error stays open after the server connection closed. A stale leader
