@@ -36,6 +36,10 @@
 # Left out (-m): tests marked `proxy` (they need pproxy, which Debian does not package) and
 # `mypy` (static typing checks of psycopg's API, no database involved, minutes each run).
 #
+# It takes 40 to 70 minutes on 2 cores: each run 12 to 26 minutes (psycopg's pool tests sleep a
+# lot), then the rechecks. Many of psycopg's tests are timed (pool, scheduler, notifications,
+# Ctrl-C) and fail now and then on a loaded machine, on any side: the rechecks sort them out.
+#
 # Settings (environment variables):
 #   PSYCOPG_SUITE_SRC=         where to get the suite from when it is not cached (see 2.)
 #   SUITE_TEST_TIMEOUT=120     per-test timeout in seconds (pytest-timeout)
@@ -67,9 +71,9 @@ token=1
 fence_options="-c fence.resource=suite -c fence.token=$token"
 [[ ${runs[0]} == direct ]] || die "SUITE_RUNS must start with direct (the reference run)"
 
-# Expected differences: tests that cannot pass through any proxy, with the reason. Each line
-# is "NODEID<TAB>reason". None so far: every test psycopg 3.1.7 runs here passes through the
-# proxy when it passes directly.
+# Expected differences: tests that cannot pass through any proxy (they need the server itself:
+# its Unix socket, its own port), with the reason. Each line is "NODEID<TAB>reason". None so far:
+# every test of psycopg 3.1.7 that passes directly here passes through the proxy unfenced.
 expected_differences=''
 
 as_root() {

@@ -41,9 +41,10 @@ import (
 // proxy's own bind follows within milliseconds), to say ZF001 instead of
 // relaying the server's 57P01. Short, because a backend ended for another
 // reason (an administrator's pg_terminate_backend) is reported this much later
-// than it would be without the proxy: psycopg's own tests expect it within
-// 0.4 s.
-const staleWait = 250 * time.Millisecond
+// than it would be without the proxy: psycopg's test_identify_closure ends a
+// backend 0.2 s into a query and expects the error before 0.4 s, which leaves
+// the wait less than 0.2 s (with 250 ms it took 0.45 s).
+const staleWait = 100 * time.Millisecond
 
 // staleLinger is how long the client connection of a session ended with a
 // fencing error stays open after the server connection closed. A stale leader
