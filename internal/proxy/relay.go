@@ -38,16 +38,16 @@ import (
 // staleWait is how long a fenced session whose backend the server ended waits
 // for the registry to learn of the raise (the raise commits about a
 // millisecond after its last victim exits, and its notification or the
-// proxy's own bind follows within milliseconds), to say ZF001 instead of
-// relaying the server's 57P01. Short, because a backend ended for another
-// reason (an administrator's pg_terminate_backend) is reported this much later
-// than it would be without the proxy: psycopg's test_identify_closure ends a
-// backend 0.2 s into a query and expects the error before 0.4 s, which leaves
-// the wait less than 0.2 s (with 250 ms it took 0.45 s). Not much less: under
-// -race on a loaded machine the notification of a raise through another proxy
-// took more than 100 ms now and then (TestV2Regressions' listening_proxy cases
-// then saw 57P01 instead of ZF001); 150 ms passed both.
-const staleWait = 150 * time.Millisecond
+// proxy's own bind follows), to say ZF001 instead of relaying the server's
+// 57P01. The price: a backend ended for another reason (an administrator's
+// pg_terminate_backend) is reported up to this much later than without the
+// proxy (psycopg's test_identify_closure expects it within 0.4 s and fails
+// fenced). Shorter waits were tried: 100 and 150 ms let a notification through
+// another proxy arrive late under -race on a loaded machine (TestV2Regressions'
+// listening-proxy cases then saw 57P01). The way out is to ask instead of
+// waiting: a FOR SHARE read of the resource's token row on the control
+// connection returns when the raise holding it commits, at once otherwise.
+const staleWait = time.Second
 
 // staleLinger is how long the client connection of a session ended with a
 // fencing error stays open after the server connection closed. A stale leader
