@@ -482,6 +482,33 @@ $fn$;
 COMMENT ON FUNCTION fence.raise(text, bigint, text) IS
     'fenceproxy: admit a fencing token, ending the backends bound to lower ones; needs the proxy''s proof; returns the stored token';
 
+-- fence.settled(resource, token, proof): the stored token once no raise of resource is in
+-- flight (0 if none is stored). The proxy asks it on its control connection when the server
+-- ended a session bound to token: a raise that ended it holds the row FOR UPDATE (P1) until it
+-- commits, so this FOR SHARE read returns the raised token as soon as the raise commits, and
+-- at once when nothing is being raised (the backend ended for another reason). Proof-gated
+-- (P5) because the lock it takes, held in an open transaction, would stall every raise.
+-- +goose StatementBegin
+CREATE FUNCTION fence.settled(resource text, token bigint, proof text)
+RETURNS bigint
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    stored bigint;
+BEGIN
+    PERFORM fence.verify('settled', $1, $2, $3);
+    SELECT t.token INTO stored FROM fence.tokens AS t WHERE t.resource = $1 FOR SHARE;
+    RETURN coalesce(stored, 0);
+END
+$fn$;
+-- +goose StatementEnd
+
+COMMENT ON FUNCTION fence.settled(text, bigint, text) IS
+    'fenceproxy: the stored token once no raise is in flight (waits for one); needs the proxy''s proof';
+
 -- fence.reset(resource, token): the operator's tool (not granted to PUBLIC). Stores exactly
 -- token, lower or not, and returns the token stored before (NULL if none). Raising through it
 -- ends the lower-bound backends like a raise (P2); lowering it ends nobody and re-admits old
@@ -529,11 +556,12 @@ END
 $fn$;
 -- +goose StatementEnd
 
--- Privileges (P5, P6): clients may call bind and raise (which need the proof) and read the
+-- Privileges (P5, P6): clients may call bind, raise and settled (which need the proof) and read the
 -- tokens and bindings; nothing else.
 REVOKE ALL ON FUNCTION fence.bind(text, bigint, text), fence.raise(text, bigint, text),
-    fence.reset(text, bigint) FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION fence.bind(text, bigint, text), fence.raise(text, bigint, text) TO PUBLIC;
+    fence.settled(text, bigint, text), fence.reset(text, bigint) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION fence.bind(text, bigint, text), fence.raise(text, bigint, text),
+    fence.settled(text, bigint, text) TO PUBLIC;
 
 -- +goose Down
 

@@ -18,7 +18,8 @@
 #   3. starts a throwaway PostgreSQL 15 (as the postgres OS user, on a private port, in a
 #      folder under /tmp) with one database per run, installs the fence schema and a proxy key
 #      in each (fenceproxy migrate --key-file), and starts
-#      fenceproxy serve --resource suite --key-file KEY --unfenced allow;
+#      fenceproxy serve --resource suite --key-file KEY --unfenced allow --control-database
+#      (the fenced run's database: the proxy asks it whether a raise ended a backend);
 #   4. runs pytest on the suite with PSYCOPG_TEST_DSN pointing at the server (direct), at the
 #      proxy (unfenced), and at the proxy with options='-c fence.resource=suite
 #      -c fence.token=1' (fenced); junit XML (xunit1) of each run is what is compared;
@@ -309,6 +310,7 @@ say "fence schema and proxy key installed in: ${runs[*]/#/psycopg_}"
 
 setsid "$fenceproxy" serve --listen "127.0.0.1:$proxy_port" --upstream "postgres://127.0.0.1:$pg_port" \
 	--resource suite --key-file "$key_file" --unfenced allow --log-format console \
+	--control-database "postgres://postgres:postgres@127.0.0.1:$pg_port/psycopg_fenced?sslmode=disable" \
 	>"$work/fenceproxy.log" 2>&1 &
 pids+=("$!")
 proxy_pid=$!
@@ -317,7 +319,7 @@ proxy_ready() {
 	listening "$proxy_port"
 }
 wait_for fenceproxy 30 proxy_ready
-say "fenceproxy on 127.0.0.1:$proxy_port: serve --resource suite --key-file KEY --unfenced allow"
+say "fenceproxy on 127.0.0.1:$proxy_port: serve --resource suite --key-file KEY --unfenced allow --control-database .../psycopg_fenced"
 
 base="host=127.0.0.1 user=postgres password=postgres sslmode=disable"
 declare -A dsn=(

@@ -88,8 +88,9 @@ func (k Key) Proof(kind, database, resource string, token int64, pid uint32) str
 // parameters (extended protocol): never with the proof as a literal, so that the proof does not
 // show in pg_stat_activity.query to the sessions that may read it (proof obligation P5).
 const (
-	BindQuery  = "SELECT fence.bind($1, $2, $3)"
-	RaiseQuery = "SELECT fence.raise($1, $2, $3)"
+	BindQuery    = "SELECT fence.bind($1, $2, $3)"
+	RaiseQuery   = "SELECT fence.raise($1, $2, $3)"
+	SettledQuery = "SELECT fence.settled($1, $2, $3)"
 )
 
 // Call is a bind or a raise with its proof: the parameters of BindQuery or RaiseQuery.
@@ -140,22 +141,36 @@ func (k Key) call(kind, database, resource string, token int64, pid uint32) (Cal
 // returns the token stored afterwards: higher than token when a newer one was admitted.
 // conn must not be inside a transaction: the raise commits its own.
 func (k Key) Raise(ctx context.Context, conn *pgx.Conn, resource string, token int64) (int64, error) {
+	return k.control(ctx, conn, "raise", RaiseQuery, resource, token)
+}
+
+// Settled returns the token stored for resource (0: none) once no raise of it is in flight,
+// read through conn (the proxy's control connection): when the server ended a session bound
+// to token, a result above token says that a raise ended it. It waits as long as a raise holds
+// the resource (the raise's own bound is 5 seconds); ctx bounds the wait.
+func (k Key) Settled(ctx context.Context, conn *pgx.Conn, resource string, token int64) (int64, error) {
+	return k.control(ctx, conn, "settled", SettledQuery, resource, token)
+}
+
+// control runs query (a fence function of (resource, token, proof) returning a token) on the
+// proxy's control connection, in its own READ COMMITTED, READ WRITE transaction whatever the
+// connection's defaults (the functions refuse other isolation levels, and lock the row).
+func (k Key) control(ctx context.Context, conn *pgx.Conn, kind, query, resource string, token int64) (int64, error) {
 	database := conn.Config().Database
 	if database == "" {
 		database = conn.Config().User // PostgreSQL's default
 	}
-	c, err := k.RaiseCall(database, resource, token, conn.PgConn().PID())
+	c, err := k.call(kind, database, resource, token, conn.PgConn().PID())
 	if err != nil {
 		return 0, err
 	}
-	var stored int64
-	// Its own READ COMMITTED transaction whatever the connection's defaults.
 	tx, err := conn.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted, AccessMode: pgx.ReadWrite})
 	if err != nil {
 		return 0, err
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // after Commit, a no-op
-	if err := tx.QueryRow(ctx, RaiseQuery, c.Resource, c.Token, c.Proof).Scan(&stored); err != nil {
+	var stored int64
+	if err := tx.QueryRow(ctx, query, c.Resource, c.Token, c.Proof).Scan(&stored); err != nil {
 		return 0, err
 	}
 	return stored, tx.Commit(ctx)

@@ -71,6 +71,10 @@ type Config struct {
 	KeyFile string `help:"File with the proxy key (hex) that fenceproxy migrate --key-file stored in the database; required with --resource." type:"path"`
 	// Key, when set, is used instead of KeyFile (programs that embed the proxy).
 	Key fence.Key `kong:"-" json:"-"`
+	// StaleWait is how long a fenced session whose backend the server ended
+	// waits for the registry to learn of a raise when the proxy cannot ask the
+	// database (relay.go, staleWait; 0: that default). Tests set it.
+	StaleWait time.Duration `kong:"-" json:"-"`
 
 	// MetricsListen serves Prometheus metrics on /metrics (empty: off).
 	MetricsListen string `help:"Address for Prometheus /metrics (empty: off)."`
@@ -110,6 +114,9 @@ func (c Config) validate() (*settings, error) {
 	s := &settings{Config: c}
 	if s.Listen == "" {
 		s.Listen = "127.0.0.1:6432"
+	}
+	if s.StaleWait <= 0 {
+		s.StaleWait = staleWait
 	}
 	if s.MaxMessageSize <= 0 {
 		s.MaxMessageSize = wire.DefaultMaxMessageSize

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgproto3"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"go.uber.org/zap"
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
@@ -29,24 +30,22 @@ import (
 //     and one whose resource is blocked (lock free, LockIndex regression) at
 //     its next message with the blocking error;
 //   - when PostgreSQL ends the backend (FATAL 57P01, or the connection closes),
-//     the proxy waits a moment for the registry to learn of the raise that did
-//     it and tells the client ZF001 with the admitted token instead.
+//     the proxy asks the database whether a raise did it (explainServerEnd)
+//     and if so tells the client ZF001 with the admitted token instead.
 //
 // Each direction is one goroutine with a method of its own, so that a stack
 // trace says which one is stuck; both end the session through end, once.
 
-// staleWait is how long a fenced session whose backend the server ended waits
-// for the registry to learn of the raise (the raise commits about a
-// millisecond after its last victim exits, and its notification or the
-// proxy's own bind follows), to say ZF001 instead of relaying the server's
-// 57P01. The price: a backend ended for another reason (an administrator's
-// pg_terminate_backend) is reported up to this much later than without the
-// proxy (psycopg's test_identify_closure expects it within 0.4 s and fails
-// fenced). Shorter waits were tried: 100 and 150 ms let a notification through
-// another proxy arrive late under -race on a loaded machine (TestV2Regressions'
-// listening-proxy cases then saw 57P01). The way out is to ask instead of
-// waiting: a FOR SHARE read of the resource's token row on the control
-// connection returns when the raise holding it commits, at once otherwise.
+// staleWait is how long (Config.StaleWait's default) a fenced session whose
+// backend the server ended waits for the registry to learn of the raise, to
+// say ZF001 instead of relaying the server's 57P01, when the proxy cannot ask
+// the database (no --control-database, or the session is in another
+// database). The raise commits about a millisecond after its last victim
+// exits, and its notification or the proxy's own bind follows; 100 and 150 ms
+// let a notification through another proxy arrive late under -race on a
+// loaded machine. The price: a backend ended for another reason (an
+// administrator's pg_terminate_backend) is reported this much later than
+// without the proxy.
 const staleWait = time.Second
 
 // staleLinger is how long the client connection of a session ended with a
@@ -245,8 +244,8 @@ func (sess *session) cancelInFlight() {
 // the backend and the client is told ZF001; otherwise it gets the server's
 // own error, or one that says the server closed the connection.
 func (sess *session) explainServerEnd() {
-	if !sess.stale.Load() {
-		t := time.NewTimer(staleWait)
+	if !sess.stale.Load() && !sess.askSettled() {
+		t := time.NewTimer(sess.srv.cfg.StaleWait)
 		select {
 		case <-sess.staleCh:
 		case <-t.C:
@@ -272,6 +271,35 @@ func (sess *session) explainServerEnd() {
 	}
 	resp.Hint = fmt.Sprintf("fenceproxy: a raise of resource %q ends the sessions of lower tokens this way; if this process may have lost its lock, stop writing and acquire it again.", sess.cred.Resource)
 	sess.end(resp)
+}
+
+// askSettled asks the database, on the control connection, for the session's
+// resource's token once no raise of it is in flight (fence.settled: a raise
+// that ended this backend holds the token row until it commits), and tells
+// the registry, which marks the session stale if the token is higher. It
+// reports whether the database answered: if not, explainServerEnd waits for
+// the registry instead.
+func (sess *session) askSettled() bool {
+	srv := sess.srv
+	if srv.control == nil || sess.database != srv.controlDB {
+		return false
+	}
+	// The raise's own wait is bounded by 5 s (fence.end_stale); a slower
+	// answer means the control database is in trouble too.
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	var stored int64
+	err := srv.control.AcquireFunc(ctx, func(c *pgxpool.Conn) error {
+		var err error
+		stored, err = srv.cfg.Key.Settled(ctx, c.Conn(), sess.cred.Resource, sess.cred.Token)
+		return err
+	})
+	if err != nil {
+		sess.log.Warn("could not ask the control database whether a raise ended the session", zap.Error(err))
+		return false
+	}
+	srv.reg.Observe(sess.database, sess.cred.Resource, stored)
+	return true
 }
 
 // ---------------------------------------------------------------------

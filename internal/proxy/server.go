@@ -11,6 +11,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"go.uber.org/zap"
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
@@ -44,6 +45,11 @@ type Server struct {
 	metrics *Metrics
 	reg     *fence.Registry
 	admit   Admitter
+	// control is the pool of --control-database (nil: none), on which a
+	// session whose backend the server ended asks whether a raise ended it
+	// (explainServerEnd); controlDB is its database's name.
+	control   *pgxpool.Pool
+	controlDB string
 
 	clients    atomic.Int64
 	sessionIDs atomic.Uint64 // for log correlation
@@ -72,6 +78,23 @@ func New(cfg Config, opts Options) (*Server, error) {
 	}
 	if srv.reg == nil {
 		srv.reg = fence.NewRegistry()
+	}
+	if s.ControlDatabase != "" && len(s.Key) > 0 {
+		pc, err := pgxpool.ParseConfig(s.ControlDatabase)
+		if err != nil {
+			return nil, fmt.Errorf("proxy: control database: %w", err)
+		}
+		// Connections are made when a session ends, not now: a control
+		// database that is down costs nothing until then.
+		pc.MaxConns = 4
+		pc.MaxConnIdleTime = time.Minute
+		srv.controlDB = pc.ConnConfig.Database
+		if srv.controlDB == "" {
+			srv.controlDB = pc.ConnConfig.User // PostgreSQL's default
+		}
+		if srv.control, err = pgxpool.NewWithConfig(context.Background(), pc); err != nil {
+			return nil, fmt.Errorf("proxy: control database: %w", err)
+		}
 	}
 	return srv, nil
 }
@@ -112,6 +135,9 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 		}()
 	}
 	s.drain(cancelSessions)
+	if s.control != nil {
+		s.control.Close()
+	}
 	return acceptErr
 }
 

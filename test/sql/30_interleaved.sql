@@ -7,7 +7,7 @@
 \ir _psql.psql
 
 BEGIN;
-SELECT plan(69);
+SELECT plan(79);
 \ir _helpers.psql
 
 SELECT pg_temp.store_key() \g /dev/null
@@ -135,6 +135,33 @@ SELECT dblink_exec('raiser', 'COMMIT') \g /dev/null
 SELECT is((SELECT x FROM dblink_get_result('w2') AS t(x text)), '42', 'the raise commits and the bind of 42 binds');
 SELECT x FROM dblink_get_result('w2') AS t(x text) \g /dev/null
 SELECT ok(NOT pg_temp.alive(:w_pid), '... and the session bound to 41 is gone');
+
+-- fence.settled, which the proxy asks when the server ended a session: the stored token at once
+-- when no raise is in flight (0 for a resource without one), after the raise commits (the new
+-- token) or rolls back (the old one) when one is; refused without the proxy's proof.
+SELECT pg_temp.connect('asker', 'tap_leader') \g /dev/null
+SELECT pg_temp.remote_pid('asker') AS asker_pid \gset
+SELECT is(pg_temp.settled('asker', 'tap-il-wait', 41), 42::bigint, 'fence.settled returns the stored token at once');
+SELECT is(pg_temp.settled('asker', 'tap-il-none', 1), 0::bigint, '... and 0 for a resource without a token');
+SELECT dblink_exec('raiser', 'BEGIN') \g /dev/null
+SELECT pg_temp.raise('raiser', 'tap-il-wait', 43) \g /dev/null
+SELECT is(dblink_send_query('asker', pg_temp.settled_sql('asker', 'tap-il-wait', 42)), 1,
+    'fence.settled is sent while a raise to 43 is open');
+SELECT ok(pg_temp.waits_for_lock(:asker_pid, 10), '... and waits for the raise');
+SELECT dblink_exec('raiser', 'COMMIT') \g /dev/null
+SELECT is((SELECT x FROM dblink_get_result('asker') AS t(x text)), '43', '... and returns its token once it commits');
+SELECT x FROM dblink_get_result('asker') AS t(x text) \g /dev/null
+SELECT dblink_exec('raiser', 'BEGIN') \g /dev/null
+SELECT pg_temp.raise('raiser', 'tap-il-wait', 44) \g /dev/null
+SELECT is(dblink_send_query('asker', pg_temp.settled_sql('asker', 'tap-il-wait', 43)), 1,
+    'fence.settled is sent while a raise to 44 is open');
+SELECT ok(pg_temp.waits_for_lock(:asker_pid, 10), '... and waits for the raise');
+SELECT dblink_exec('raiser', 'ROLLBACK') \g /dev/null
+SELECT is((SELECT x FROM dblink_get_result('asker') AS t(x text)), '43', '... and returns the old token once it rolls back');
+SELECT x FROM dblink_get_result('asker') AS t(x text) \g /dev/null
+SELECT throws_ok(format('SELECT * FROM dblink(%L, %L) AS t(x bigint)', 'asker', pg_temp.call_sql('settled', 'tap-il-wait', 43, 'f00d')),
+    'ZF010', NULL, 'fence.settled without the proxy''s proof is ZF010');
+SELECT is(pg_temp.binding_of(:asker_pid), NULL, 'fence.settled binds nothing');
 
 -- A raise that meets a bind in flight (the bind's transaction still open) waits for it (P1),
 -- then sees the binding and ends its backend (P2).

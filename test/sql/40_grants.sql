@@ -5,7 +5,7 @@
 \ir _psql.psql
 
 BEGIN;
-SELECT plan(33);
+SELECT plan(34);
 \ir _helpers.psql
 
 -- Hostile operators for the search_path test below: a stale token compares as not lower, and
@@ -36,6 +36,8 @@ SELECT throws_ok($$SELECT fence.bind('tap-grants', 6, 'f00d')$$, 'ZF010', NULL,
     'it may call fence.bind, which refuses it without the proxy''s proof');
 SELECT throws_ok($$SELECT fence.raise('tap-grants', 1000000, 'f00d')$$, 'ZF010', NULL,
     'it may call fence.raise, which refuses it without the proxy''s proof');
+SELECT throws_ok($$SELECT fence.settled('tap-grants', 5, 'f00d')$$, 'ZF010', NULL,
+    'it may call fence.settled, which refuses it without the proxy''s proof');
 SELECT throws_ok($$SELECT fence.raise('tap-grants', 1000000)$$, '42883', NULL,
     'fence.raise without a proof does not exist');
 SELECT is((SELECT token FROM fence.tokens WHERE resource = 'tap-grants'), 5::bigint, 'it may read the tokens');
