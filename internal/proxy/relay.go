@@ -5,8 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"strings"
+	"syscall"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.uber.org/zap"
@@ -82,7 +85,8 @@ func (sess *session) relay(ctx context.Context) error {
 	go func() { errc <- sess.clientToServer() }()
 	go func() { errc <- sess.serverToClient() }()
 	err := <-errc
-	if sess.mode == modeFenced && errors.Is(err, errServerGone) {
+	if sess.mode == modeFenced && errors.Is(err, errServerGone) && !sess.ended.Load() {
+		// The server ended it, not the proxy (whose ends set ended first).
 		sess.explainServerEnd()
 	}
 	if sess.lingerResp.Load() == nil {
@@ -239,12 +243,16 @@ func (sess *session) cancelInFlight() {
 }
 
 // explainServerEnd runs when the server ended a fenced session (FATAL 57P01
-// held back by serverToClient, or a closed connection): if the registry
-// learns within staleWait that a higher token was admitted, the raise ended
-// the backend and the client is told ZF001; otherwise it gets the server's
-// own error, or one that says the server closed the connection.
+// held back by serverToClient, or a closed connection). If a higher token was
+// admitted (the registry knows, or learns it by asking the database, or
+// within staleWait when it cannot ask), the raise ended the backend and the
+// client is told ZF001; otherwise it gets the server's own error, or one that
+// says the server closed the connection.
 func (sess *session) explainServerEnd() {
-	if !sess.stale.Load() && !sess.askSettled() {
+	// A server FATAL other than 57P01 was relayed already (08P01, 25P03...):
+	// the end was the server's own, not a raise's, and said so.
+	said := sess.serverFatal.Load() == nil && sess.serverSaid.Load()
+	if !sess.stale.Load() && !said && !sess.askSettled() {
 		t := time.NewTimer(sess.srv.cfg.StaleWait)
 		select {
 		case <-sess.staleCh:
@@ -257,14 +265,13 @@ func (sess *session) explainServerEnd() {
 		return
 	}
 	// Not known to be stale: the server's own error (or one saying it closed
-	// the connection), relayed as a server's FATAL is. When the server's own
-	// FATAL was relayed already (08P01, 25P03...), the end was not silent and
-	// not a raise's: nothing to add, as a direct connection would show.
-	resp := sess.serverFatal.Load()
-	if resp == nil && sess.serverSaid.Load() {
+	// the connection), relayed as a server's FATAL is; nothing to add when it
+	// was relayed already, as a direct connection would show.
+	if said {
 		sess.end(nil)
 		return
 	}
+	resp := sess.serverFatal.Load()
 	if resp == nil {
 		resp = &pgproto3.ErrorResponse{Severity: wire.SeverityFatal, Code: wire.CodeConnectionFailure,
 			Message: "fenceproxy: the server closed the connection"}
@@ -277,8 +284,11 @@ func (sess *session) explainServerEnd() {
 // resource's token once no raise of it is in flight (fence.settled: a raise
 // that ended this backend holds the token row until it commits), and tells
 // the registry, which marks the session stale if the token is higher. It
-// reports whether the database answered: if not, explainServerEnd waits for
-// the registry instead.
+// reports whether that settles the question: also when the server cannot be
+// asked because it is shutting down or refuses connections (no raise can
+// commit then either); not when the proxy cannot ask (no control database for
+// the session's database, or another failure, such as a database without
+// fence.settled), and explainServerEnd waits for the registry instead.
 func (sess *session) askSettled() bool {
 	srv := sess.srv
 	if srv.control == nil || sess.database != srv.controlDB {
@@ -294,12 +304,18 @@ func (sess *session) askSettled() bool {
 		stored, err = srv.cfg.Key.Settled(ctx, c.Conn(), sess.cred.Resource, sess.cred.Token)
 		return err
 	})
-	if err != nil {
+	var pgErr *pgconn.PgError
+	switch {
+	case err == nil:
+		srv.reg.Observe(sess.database, sess.cred.Resource, stored)
+		return true
+	case errors.As(err, &pgErr) && strings.HasPrefix(pgErr.Code, "57"), errors.Is(err, syscall.ECONNREFUSED):
+		sess.log.Info("the server is going away: the session's end was not a raise's", zap.Error(err))
+		return true
+	default:
 		sess.log.Warn("could not ask the control database whether a raise ended the session", zap.Error(err))
 		return false
 	}
-	srv.reg.Observe(sess.database, sess.cred.Resource, stored)
-	return true
 }
 
 // ---------------------------------------------------------------------
@@ -453,9 +469,7 @@ func (sess *session) clientToServer() error {
 			sess.outstanding++
 			sess.mu.Unlock()
 		}
-		sess.swMu.Lock()
 		err = sess.cr.CopyBody(sess.sw)
-		sess.swMu.Unlock()
 		if errors.Is(err, wire.ErrRead) {
 			return err // the client's
 		}
@@ -471,10 +485,7 @@ func (sess *session) clientToServer() error {
 
 func (sess *session) flushServerIfIdle() error {
 	if sess.cr.Buffered() == 0 {
-		sess.swMu.Lock()
-		err := sess.sw.Flush()
-		sess.swMu.Unlock()
-		return err
+		return sess.sw.Flush()
 	}
 	return nil
 }

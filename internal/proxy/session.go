@@ -29,8 +29,9 @@ const bufSize = 32 << 10
 //
 // Ownership: login fills the connections, cred, mode, database, pid and key
 // before the relay starts and nothing changes them afterwards. During the
-// relay, cw belongs to whoever holds cwMu and sw to whoever holds swMu; status
-// and outstanding are guarded by mu; the rest are atomics or set once.
+// relay, cw belongs to whoever holds cwMu and sw to clientToServer, its only
+// writer; status and outstanding are guarded by mu; the rest are atomics or
+// set once.
 type session struct {
 	srv *Server
 	log *zap.Logger
@@ -38,7 +39,7 @@ type session struct {
 	client, server net.Conn
 	cr, sr         *wire.Reader
 	cw, sw         *bufio.Writer
-	cwMu, swMu     sync.Mutex
+	cwMu           sync.Mutex
 
 	// BackendKeyData of the upstream backend: its pid is also what the bind
 	// is keyed by (with its backend_start, which the database reads itself).
@@ -147,7 +148,7 @@ var errCancelHandled = errors.New("cancel request handled")
 
 // start negotiates TLS, reads the startup message, validates the fence
 // parameters, connects upstream, relays authentication and, for fenced
-// sessions, raises the token. On success the client has received
+// sessions, binds the backend to the token. On success the client has received
 // ReadyForQuery and the session is ready to relay.
 func (sess *session) start(ctx context.Context, clients int64) error {
 	s := sess.srv
@@ -328,7 +329,7 @@ func (sess *session) admit(ctx context.Context) error {
 }
 
 // relayAuth relays the authentication exchange unchanged until the server's
-// first ReadyForQuery, which it holds back until the token is raised.
+// first ReadyForQuery, which it holds back until the session is bound.
 func (sess *session) relayAuth(ctx context.Context) error {
 	for {
 		typ, _, err := sess.sr.Next()
@@ -557,7 +558,7 @@ func (sess *session) bound(stored int64, serverErr *pgproto3.ErrorResponse) erro
 			sess.log.Error("failing closed: stored token above Consul's LockIndex", zap.String("database_said", serverErr.Message))
 			return fatalFence(fe)
 		}
-		if serverErr.Code[:2] == "ZF" {
+		if strings.HasPrefix(serverErr.Code, "ZF") {
 			return &fatal{resp: &pgproto3.ErrorResponse{Severity: wire.SeverityFatal, Code: serverErr.Code,
 				Message: serverErr.Message, Detail: serverErr.Detail, Hint: serverErr.Hint}}
 		}
