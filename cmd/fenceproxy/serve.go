@@ -66,9 +66,7 @@ func (s *ServeCmd) Run(ctx context.Context, log *zap.Logger) error {
 		}()
 		defer hs.Close()
 	}
-	if s.ControlDatabase != "" {
-		go fence.Listen(bg, s.ControlDatabase, registry, log, nil) //nolint:errcheck // returns only when bg ends
-	} else if len(s.Resources) > 0 {
+	if s.ControlDatabase == "" && len(s.Resources) > 0 {
 		log.Warn("no --control-database: a session ended by a raise made through another proxy instance sees the server's 57P01 instead of ZF001 with the admitted token")
 	}
 	if guard != nil {

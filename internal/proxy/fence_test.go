@@ -281,19 +281,6 @@ func TestStaleWritesNeverCommit(t *testing.T) {
 				cfgA.ControlDatabase = pg.AdminURL()
 			}
 			a := testenv.StartProxy(t, pg, cfgA)
-			if setup.listen {
-				ctx, cancel := context.WithCancel(context.Background())
-				t.Cleanup(cancel)
-				ready := make(chan struct{})
-				var once bool
-				go fence.Listen(ctx, pg.AdminURL(), a.Registry, zapNop(), func() { //nolint:errcheck
-					if !once {
-						once = true
-						close(ready)
-					}
-				})
-				<-ready
-			}
 			b := testenv.StartProxy(t, pg, proxy.Config{Resources: names})
 			for i, p := range writePaths {
 				res := names[i]

@@ -170,9 +170,9 @@ func startGenEnv(t *testing.T, workers int) *genEnv {
 	}
 	cfg := proxy.Config{Resources: resources}
 	ge.a = testenv.StartProxy(t, pg, cfg)
-	reg := fence.NewRegistry()
-	ge.ah = testenv.StartProxy(t, pg, cfg, testenv.ProxyOptions{Registry: reg})
-	v2Listen(t, pg.URLWithPassword(testenv.AdminUser, testenv.AdminPassword, "gen_stale"), reg)
+	cfgH := cfg
+	cfgH.ControlDatabase = pg.URLWithPassword(testenv.AdminUser, testenv.AdminPassword, "gen_stale")
+	ge.ah = testenv.StartProxy(t, pg, cfgH)
 	ge.b = testenv.StartProxy(t, pg, cfg)
 	// Store token 1 of every resource now: a bind that stores a new token is a
 	// raise, which another worker's prepared transaction would refuse.
@@ -323,7 +323,7 @@ func (ge *genEnv) round(r *v2Run, w int, seed uint64, stats *genStats) {
 	}
 	p := run(v2Addr(px.Host, px.Port), params("gen_cur", fmt.Sprintf("gc%d", w), 1))
 	if strings.Join(d.lines, "\n") != strings.Join(p.lines, "\n") {
-		r.fatalf("current token: the proxy's session differs from a direct one:\n%s\nsequence:%s", diffLines2(d.lines, p.lines), seq.listing())
+		r.fatalf("current token: the proxy's session differs from a direct one:\n%s\nsequence:%s", diffLines(d.lines, p.lines), seq.listing())
 	}
 	if d.state != p.state {
 		r.fatalf("current token: rows differ: direct %q, proxy %q\nsequence:%s", d.state, p.state, seq.listing())

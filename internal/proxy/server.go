@@ -19,7 +19,7 @@ import (
 )
 
 // Admitter validates a session's credentials against an authority outside
-// the database (Consul) before the proxy raises the token. A nil Admitter
+// the database (Consul) before the proxy binds the session. A nil Admitter
 // admits every well-formed token; the database's bind still orders them.
 type Admitter interface {
 	Admit(ctx context.Context, c fence.Credentials) error
@@ -47,9 +47,12 @@ type Server struct {
 	admit   Admitter
 	// control is the pool of --control-database (nil: none), on which a
 	// session whose backend the server ended asks whether a raise ended it
-	// (explainServerEnd); controlDB is its database's name.
+	// (explainServerEnd); controlDB is its database's name. Serve also
+	// LISTENs there (fence.Listen), and closes ready once it has synced.
 	control   *pgxpool.Pool
 	controlDB string
+	ready     chan struct{}
+	readyOnce sync.Once
 
 	clients    atomic.Int64
 	sessionIDs atomic.Uint64 // for log correlation
@@ -72,6 +75,7 @@ func New(cfg Config, opts Options) (*Server, error) {
 		reg:      opts.Registry,
 		admit:    opts.Admitter,
 		sessions: map[*session]struct{}{},
+		ready:    make(chan struct{}),
 	}
 	if srv.log == nil {
 		srv.log = zap.NewNop()
@@ -88,10 +92,7 @@ func New(cfg Config, opts Options) (*Server, error) {
 		// database that is down costs nothing until then.
 		pc.MaxConns = 4
 		pc.MaxConnIdleTime = time.Minute
-		srv.controlDB = pc.ConnConfig.Database
-		if srv.controlDB == "" {
-			srv.controlDB = pc.ConnConfig.User // PostgreSQL's default
-		}
+		srv.controlDB = fence.DatabaseName(pc.ConnConfig)
 		if srv.control, err = pgxpool.NewWithConfig(context.Background(), pc); err != nil {
 			return nil, fmt.Errorf("proxy: control database: %w", err)
 		}
@@ -101,6 +102,12 @@ func New(cfg Config, opts Options) (*Server, error) {
 
 // Registry returns the server's token registry.
 func (s *Server) Registry() *fence.Registry { return s.reg }
+
+// Ready is closed once Serve has read the stored tokens of the control
+// database and listens for its raises (at once without one).
+func (s *Server) Ready() <-chan struct{} { return s.ready }
+
+func (s *Server) markReady() { s.readyOnce.Do(func() { close(s.ready) }) }
 
 // Addr is the configured listen address.
 func (s *Server) Addr() string { return s.cfg.Listen }
@@ -113,6 +120,17 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	defer stop()
 	sessCtx, cancelSessions := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelSessions()
+	if s.control != nil {
+		listenCtx, stopListening := context.WithCancel(context.WithoutCancel(ctx))
+		listening := make(chan struct{})
+		go func() {
+			defer close(listening)
+			fence.Listen(listenCtx, s.cfg.ControlDatabase, s.reg, s.log, s.markReady) //nolint:errcheck // returns when listenCtx ends
+		}()
+		defer func() { stopListening(); <-listening }()
+	} else {
+		s.markReady()
+	}
 	var acceptErr error
 	for {
 		conn, err := ln.Accept()

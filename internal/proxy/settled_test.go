@@ -43,7 +43,7 @@ func TestServerEndExplainedByAsking(t *testing.T) {
 		}
 		if !busy {
 			// The backend is gone; the proxy's answer reaches the next query.
-			waitGone(t, admin, pid)
+			backendGone(t, admin, pid, 10*time.Second)
 			_, err := s.Exec(ctx, "SELECT 1")
 			errc <- err
 		}
@@ -69,17 +69,5 @@ func TestServerEndExplainedByAsking(t *testing.T) {
 	}
 	if got := a.Registry.Highest("postgres", "billing"); got != 7 {
 		t.Fatalf("proxy a's registry says %d after asking, want 7", got)
-	}
-}
-
-// waitGone waits until the backend pid has exited.
-func waitGone(t *testing.T, admin querier, pid uint32) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for count(t, admin, "SELECT count(*) FROM pg_stat_activity WHERE pid = $1", int32(pid)) != 0 {
-		if time.Now().After(deadline) {
-			t.Fatalf("backend %d did not exit within 10 s", pid)
-		}
-		time.Sleep(5 * time.Millisecond)
 	}
 }

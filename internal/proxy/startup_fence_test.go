@@ -125,13 +125,8 @@ func TestUnfencedPolicies(t *testing.T) {
 // back, and its proxy, which hears of the raise, tells the client ZF001.
 func TestStaleSessionInFlightCancelled(t *testing.T) {
 	pg, admin := fencedDB(t)
-	a := fencedProxy(t, pg)
+	a := fencedProxy(t, pg, func(c *proxy.Config) { c.ControlDatabase = pg.AdminURL() })
 	b := fencedProxy(t, pg)
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	ready := make(chan struct{})
-	go fence.Listen(ctx, pg.AdminURL(), a.Registry, zapNop(), func() { close(ready) }) //nolint:errcheck
-	<-ready
 
 	old := connect(t, a.FenceURL("app", "postgres", "billing", 10))
 	mustExec(t, old, "BEGIN")

@@ -21,7 +21,6 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
 	"github.com/jackc/pgx/v5/pgxpool"
-	"go.uber.org/zap"
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
 	"github.com/fenceproxy/fenceproxy/internal/proxy"
@@ -477,8 +476,9 @@ func v2Ctx(t testing.TB) context.Context {
 }
 
 // v2StartEnv starts the cluster (track_commit_timestamp on, plus opts), the
-// schema and the proxies A, AH (its registry fed by a LISTEN on the
-// database) and B, each fencing resources.
+// schema and the proxies A, AH (with the database as its control database:
+// it listens for raises there and asks whether a raise ended a backend) and
+// B, each fencing resources.
 func v2StartEnv(t *testing.T, resources []string, opts ...testenv.PGOption) *v2Env {
 	t.Helper()
 	return v2StartEnvOwner(t, resources, "", opts...)
@@ -505,9 +505,9 @@ func v2StartEnvOwner(t *testing.T, resources []string, owner string, opts ...tes
 	e := &v2Env{pg: pg, admin: admin}
 	cfg := proxy.Config{Resources: resources}
 	e.a = testenv.StartProxy(t, pg, cfg)
-	reg := fence.NewRegistry()
-	e.ah = testenv.StartProxy(t, pg, cfg, testenv.ProxyOptions{Registry: reg})
-	v2Listen(t, pg.AdminURL(), reg)
+	cfgH := cfg
+	cfgH.ControlDatabase = pg.AdminURL()
+	e.ah = testenv.StartProxy(t, pg, cfgH)
 	e.b = testenv.StartProxy(t, pg, cfg)
 	return e
 }
@@ -527,26 +527,6 @@ func v2Pool(t *testing.T, url string) *pgxpool.Pool {
 	}
 	t.Cleanup(pool.Close)
 	return pool
-}
-
-// v2Listen feeds reg with the raises of the database at url until the test
-// ends, as fenceproxy --control-database does.
-func v2Listen(t *testing.T, url string, reg *fence.Registry) {
-	t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
-	ready := make(chan struct{})
-	var once sync.Once
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		fence.Listen(ctx, url, reg, zap.NewNop(), func() { once.Do(func() { close(ready) }) }) //nolint:errcheck // ends with ctx
-	}()
-	t.Cleanup(func() { cancel(); <-done })
-	select {
-	case <-ready:
-	case <-time.After(30 * time.Second):
-		t.Fatal("fence listener not ready within 30 s")
-	}
 }
 
 func v2Addr(host string, port int) string { return net.JoinHostPort(host, strconv.Itoa(port)) }
@@ -1252,7 +1232,7 @@ func TestV2ErrorQuerySyncTransparent(t *testing.T) {
 			d := run(v2Addr(e.pg.Host, e.pg.Port), v2Params("postgres", "", 0))
 			p := run(v2Addr(e.a.Host, e.a.Port), v2Params("postgres", "desync", 1))
 			if strings.Join(d.lines, "\n") != strings.Join(p.lines, "\n") {
-				t.Fatalf("the proxy's session differs from a direct one:\n%s", diffLines2(d.lines, p.lines))
+				t.Fatalf("the proxy's session differs from a direct one:\n%s", diffLines(d.lines, p.lines))
 			}
 			if d.state != p.state {
 				t.Fatalf("backend state afterwards: direct %q, proxy %q", d.state, p.state)
@@ -1293,27 +1273,6 @@ func v2Transcript(s *v2Session, msgs []pgproto3.FrontendMessage, nonce string, d
 			return out, nil
 		}
 	}
-}
-
-// diffLines2 says where two transcripts first differ.
-func diffLines2(direct, proxied []string) string {
-	var b strings.Builder
-	for i := 0; i < len(direct) || i < len(proxied); i++ {
-		var d, p string
-		if i < len(direct) {
-			d = direct[i]
-		}
-		if i < len(proxied) {
-			p = proxied[i]
-		}
-		if d != p {
-			fmt.Fprintf(&b, "first difference at message %d:\n  direct: %s\n  proxy:  %s\n", i, d, p)
-			break
-		}
-	}
-	fmt.Fprintf(&b, "direct (%d messages):\n  %s\nproxy (%d messages):\n  %s", len(direct), strings.Join(direct, "\n  "),
-		len(proxied), strings.Join(proxied, "\n  "))
-	return b.String()
 }
 
 // ---------------------------------------------------------------------
@@ -1723,7 +1682,7 @@ func TestV2ServerFatalRelayedAlone(t *testing.T) {
 			d := run(v2Addr(e.pg.Host, e.pg.Port), v2Params("postgres", "", 0))
 			p := run(v2Addr(e.a.Host, e.a.Port), v2Params("postgres", "ownfatal", 1))
 			if strings.Join(d, "\n") != strings.Join(p, "\n") {
-				t.Fatalf("the proxy's session differs from a direct one:\n%s", diffLines2(d, p))
+				t.Fatalf("the proxy's session differs from a direct one:\n%s", diffLines(d, p))
 			}
 			t.Logf("%d messages alike, the last: %s", len(d), v2Short(d[len(d)-2]))
 		})

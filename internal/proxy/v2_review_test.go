@@ -23,33 +23,13 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgproto3"
-	"go.uber.org/zap"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
 	"github.com/fenceproxy/fenceproxy/internal/proxy"
 	"github.com/fenceproxy/fenceproxy/internal/testenv"
 	"github.com/fenceproxy/fenceproxy/internal/wire"
 )
-
-// rvListen feeds reg with the raises notified in the database at url until the
-// test ends, as fenceproxy --control-database does (fence.Listen).
-func rvListen(t *testing.T, url string, reg *fence.Registry) {
-	t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
-	ready := make(chan struct{})
-	var once sync.Once
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		fence.Listen(ctx, url, reg, zap.NewNop(), func() { once.Do(func() { close(ready) }) }) //nolint:errcheck // ends with ctx
-	}()
-	t.Cleanup(func() { cancel(); <-done })
-	select {
-	case <-ready:
-	case <-time.After(30 * time.Second):
-		t.Fatal("fence listener not ready within 30 s")
-	}
-}
 
 // rvStored is the token stored in fence.tokens for res (0: none).
 func rvStored(t *testing.T, admin querier, res string) int64 {
@@ -128,7 +108,6 @@ func TestForgedRaiseNotificationIsNotBelieved(t *testing.T) {
 	t.Parallel()
 	pg, admin := fencedDB(t)
 	a := fencedProxy(t, pg, func(c *proxy.Config) { c.ControlDatabase = pg.AdminURL() })
-	rvListen(t, pg.AdminURL(), a.Registry)
 	b := fencedProxy(t, pg)
 	ctx := ctxT(t)
 
@@ -333,7 +312,6 @@ func TestStaleLeaderCommitGetsZF001InLibpq(t *testing.T) {
 	}
 	pg, admin := fencedDB(t)
 	a := fencedProxy(t, pg, func(c *proxy.Config) { c.ControlDatabase = pg.AdminURL() })
-	rvListen(t, pg.AdminURL(), a.Registry)
 	b := fencedProxy(t, pg)
 	script := filepath.Join(t.TempDir(), "stale_commit.py")
 	if err := os.WriteFile(script, []byte(rvPsycopg2Script), 0o644); err != nil {
@@ -451,7 +429,7 @@ func TestSilentServerEndOfStaleSessionIsAnError(t *testing.T) {
 	t.Parallel()
 	pg, admin := fencedDB(t)
 	a := fencedProxy(t, pg)
-	b := fencedProxy(t, pg)
+	b := fencedProxy(t, pg, func(c *proxy.Config) { c.StaleWait = 100 * time.Millisecond })
 
 	// fenced opens a raw session of billing tok through B and returns it with
 	// its backend's pid.
@@ -550,7 +528,14 @@ func TestSilentServerEndOfStaleSessionIsAnError(t *testing.T) {
 		eventually(t, "PostgreSQL accepting connections after the crash", func() error {
 			return connectErr(pg.AdminURL())
 		})
-		time.Sleep(1500 * time.Millisecond) // the proxy's wait for news of a raise (staleWait)
+		// The proxy's wait for news of a raise (Config.StaleWait) runs out
+		// and the session ends: the client's query comes after that.
+		eventually(t, "proxy B's session ended", func() error {
+			if n := testutil.ToFloat64(b.Metrics.Sessions); n != 0 {
+				return fmt.Errorf("%v sessions open", n)
+			}
+			return nil
+		})
 		r.send(&pgproto3.Query{String: "SELECT 1"})
 		readToEnd(t, r)
 	})

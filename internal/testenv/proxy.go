@@ -93,6 +93,11 @@ func StartProxy(tb testing.TB, pg *Postgres, cfg proxy.Config, opts ...ProxyOpti
 	p := &Proxy{Host: "127.0.0.1", Port: ln.Addr().(*net.TCPAddr).Port, Server: srv, Registry: o.Registry, Metrics: m, cancel: cancel, done: make(chan error, 1)}
 	go func() { p.done <- srv.Serve(ctx, ln) }()
 	tb.Cleanup(func() { p.Stop(tb) })
+	select {
+	case <-srv.Ready():
+	case <-time.After(30 * time.Second):
+		tb.Fatalf("testenv: proxy not ready (its control database's listener) within 30 s")
+	}
 	return p
 }
 
