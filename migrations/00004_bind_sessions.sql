@@ -36,9 +36,9 @@
 --       while this database holds any prepared transaction, checked after (P2), when no stale
 --       backend can prepare one any more (and before it, so that a raise that would fail ends
 --       nobody). max_prepared_transactions is 0 by default.
---  (P5) Only the proxy admits a higher token. fence.bind and fence.raise need a proof: a MAC of
---       what they do ("bind" or "raise", the database, the resource, the token and the calling
---       backend's pid) under the proxy key in fence.keys, which only this schema's owner can
+--  (P5) Only the proxy admits a higher token. fence.bind and fence.raise (and fence.settled,
+--       whose row lock could stall raises) need a proof: a MAC of what they do ("bind", "raise"
+--       or "settled", the database, the resource, the token and the calling backend's pid) under the proxy key in fence.keys, which only this schema's owner can
 --       read. The proxy passes the proof as a parameter (extended protocol), so pg_stat_activity
 --       does not show it; a proof that leaked anyway could only be replayed from a backend with
 --       the same pid. A backend is bound once (first bind wins), so a fenced session

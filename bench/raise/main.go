@@ -24,7 +24,8 @@
 //     bound to a token below t+1 may be alive (pg_stat_activity, on -direct).
 //
 // It prints one line per sample, "raise stale=N sample=I token=T raise_ms=X plain_ms=Y
-// ended_zf001=A ended_other=B survived=C committed=D", and exits 1 when a check fails (the
+// ended_zf001=A ended_other=B survived=C committed=D alive=E" (E: backends bound below t+1
+// still listed), and exits 1 when a check fails (the
 // lines still say which). Needs max_connections above the largest N plus a few.
 package main
 

@@ -35,8 +35,6 @@ type Error struct {
 	Token    int64
 	// Admitted is the highest admitted token, when known (stale rejections).
 	Admitted int64
-	// Position is the ErrorResponse's cursor position (syntax errors), 0: none.
-	Position int32
 	Err      error // cause, if any
 }
 
@@ -58,10 +56,7 @@ var (
 	ErrUnknown        = &Error{Code: CodeUnknown}
 	ErrNotHeld        = &Error{Code: CodeNotHeld}
 	ErrUnavailable    = &Error{Code: CodeUnavailable}
-	ErrNotAllowed     = &Error{Code: CodeNotAllowed}
 	ErrHolderMismatch = &Error{Code: CodeHolderMismatch}
-	ErrProof          = &Error{Code: CodeProof}
-	ErrRaiseFailed    = &Error{Code: CodeRaiseFailed}
 )
 
 // IsFencing reports whether err is a fencing rejection and returns it.
@@ -182,6 +177,5 @@ func (e *Error) Response(severity string) *pgproto3.ErrorResponse {
 		Message:             e.Message,
 		Detail:              e.Detail,
 		Hint:                e.Hint,
-		Position:            e.Position,
 	}
 }

@@ -24,7 +24,7 @@ func MigrateTo(ctx context.Context, databaseURL string, version int64) error {
 	})
 }
 
-// BindSQL and RaiseSQL are BindCall and RaiseCall as one literal statement, for tests that
+// BindSQL and RaiseSQL are a bind's and a raise's call as one literal statement, for tests that
 // bind or raise on a connection of their own with a plain Exec.
 func (k Key) BindSQL(database, resource string, token int64, pid uint32) (string, error) {
 	return k.literal("bind", database, resource, token, pid)

@@ -58,10 +58,7 @@ func listenOnce(ctx context.Context, url string, reg *Registry, ready func()) er
 		return err
 	}
 	defer conn.Close(context.WithoutCancel(ctx))
-	database := conn.Config().Database
-	if database == "" {
-		database = conn.Config().User // PostgreSQL's default
-	}
+	database := DatabaseName(conn.Config())
 	if _, err := conn.Exec(ctx, "LISTEN "+Channel); err != nil {
 		return err
 	}

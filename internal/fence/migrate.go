@@ -14,8 +14,8 @@ import (
 	"github.com/fenceproxy/fenceproxy/migrations"
 )
 
-// Schema is the PostgreSQL schema that holds the fencing tokens, the functions the proxy
-// injects and goose's version table.
+// Schema is the PostgreSQL schema that holds the fencing tokens, the bindings, the functions
+// the proxy calls and goose's version table.
 const Schema = "fence"
 
 // versionTable is goose's record of applied migrations. It lives in the fence schema, not in

@@ -76,9 +76,9 @@ func schemaExec(t *testing.T, conn *pgx.Conn, sql string, args ...any) {
 	}
 }
 
-// bind binds conn's backend to (resource, token) with key, the way the proxy does: the text
-// of BindSQL for the backend's pid and the connection's database, in an implicit READ
-// COMMITTED transaction. It returns the stored token.
+// bind binds conn's backend to (resource, token) with key, as the proxy's bind does (its
+// proof for the backend's pid and the connection's database), but as one literal statement
+// (BindSQL) in an implicit READ COMMITTED transaction. It returns the stored token.
 func bind(ctx context.Context, conn *pgx.Conn, key fence.Key, resource string, token int64) (int64, error) {
 	q, err := key.BindSQL(conn.Config().Database, resource, token, conn.PgConn().PID())
 	if err != nil {

@@ -14,8 +14,8 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-// The statements the proxy sends: a bind at session start and a raise on its control
-// connection, each a single SELECT of one function of the fence schema (see
+// The statements the proxy sends: a bind at session start, and a raise or a settled read on its
+// control connection, each a single SELECT of one function of the fence schema (see
 // migrations/00004_bind_sessions.sql for what they guarantee) whose parameters are a resource
 // name that passed ValidResource, an integer token and a hex proof: never text a client sent.
 
@@ -84,7 +84,7 @@ func (k Key) Proof(kind, database, resource string, token int64, pid uint32) str
 	return hex.EncodeToString(outer[:])
 }
 
-// BindQuery and RaiseQuery are the statements the proxy sends, with a Call's Args as their
+// BindQuery, RaiseQuery and SettledQuery are the statements the proxy sends, with a Call's Args as their
 // parameters (extended protocol): never with the proof as a literal, so that the proof does not
 // show in pg_stat_activity.query to the sessions that may read it (proof obligation P5).
 const (
@@ -93,7 +93,7 @@ const (
 	SettledQuery = "SELECT fence.settled($1, $2, $3)"
 )
 
-// Call is a bind or a raise with its proof: the parameters of BindQuery or RaiseQuery.
+// Call is a bind, a raise or a settled read with its proof: the parameters of its query.
 type Call struct {
 	Resource string
 	Token    int64
@@ -117,13 +117,6 @@ func (c Call) Args() [][]byte {
 // bad one is the client's mistake, answered with an error.
 func (k Key) BindCall(database, resource string, token int64, pid uint32) (Call, error) {
 	return k.call("bind", database, resource, token, pid)
-}
-
-// RaiseCall returns the raise of resource to token on the proxy's own connection (process ID
-// pid, in database), which ends the backends bound to lower tokens: RaiseQuery's parameters.
-// Its result and errors are as for BindCall.
-func (k Key) RaiseCall(database, resource string, token int64, pid uint32) (Call, error) {
-	return k.call("raise", database, resource, token, pid)
 }
 
 func (k Key) call(kind, database, resource string, token int64, pid uint32) (Call, error) {
@@ -156,11 +149,7 @@ func (k Key) Settled(ctx context.Context, conn *pgx.Conn, resource string, token
 // proxy's control connection, in its own READ COMMITTED, READ WRITE transaction whatever the
 // connection's defaults (the functions refuse other isolation levels, and lock the row).
 func (k Key) control(ctx context.Context, conn *pgx.Conn, kind, query, resource string, token int64) (int64, error) {
-	database := conn.Config().Database
-	if database == "" {
-		database = conn.Config().User // PostgreSQL's default
-	}
-	c, err := k.call(kind, database, resource, token, conn.PgConn().PID())
+	c, err := k.call(kind, DatabaseName(conn.Config()), resource, token, conn.PgConn().PID())
 	if err != nil {
 		return 0, err
 	}
@@ -174,6 +163,15 @@ func (k Key) control(ctx context.Context, conn *pgx.Conn, kind, query, resource 
 		return 0, err
 	}
 	return stored, tx.Commit(ctx)
+}
+
+// DatabaseName is the database a connection with config c is in: its dbname, or PostgreSQL's
+// default, the user name.
+func DatabaseName(c *pgx.ConnConfig) string {
+	if c.Database != "" {
+		return c.Database
+	}
+	return c.User
 }
 
 // SetKey stores k as the proxy key of the database at databaseURL (a role that owns the fence

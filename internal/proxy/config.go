@@ -60,10 +60,12 @@ type Config struct {
 	// Unfenced is the policy for sessions without fence parameters:
 	// reject (default), readonly or allow.
 	Unfenced string `help:"Sessions without a token: reject, readonly (best effort: default_transaction_read_only, which a client can turn off; use a role without write privileges to enforce it) or allow." default:"reject" enum:"reject,readonly,allow"`
-	// ControlDatabase is a connection URL the proxy uses itself: it LISTENs
-	// there for raises made through other proxy instances (and raises tokens
-	// Consul hands out). Empty: no cross-instance notifications.
-	ControlDatabase string `help:"Database URL the proxy itself uses to LISTEN for raises (and raise tokens proactively)."`
+	// ControlDatabase is a connection URL, to a database of the upstream
+	// server, that the proxy uses itself: it LISTENs there for raises made
+	// through other proxy instances, asks there whether a raise ended a
+	// session's backend (fence.settled, for sessions of that database), and
+	// raises the tokens Consul hands out. Empty: none of these.
+	ControlDatabase string `help:"URL of a database on the upstream server that the proxy itself uses: to LISTEN for raises, to ask whether a raise ended a session (fence.settled), and to raise Consul's tokens proactively."`
 	// KeyFile holds the proxy key (hex), the secret that proves to the
 	// database that a bind or raise comes from fenceproxy; `fenceproxy
 	// migrate --key-file` creates it and stores it in the database. Required

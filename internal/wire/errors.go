@@ -19,9 +19,6 @@ const (
 	CodeProgramLimitExceeded = "54000"
 	CodeAdminShutdown        = "57P01"
 	CodeInvalidAuthorization = "28000"
-	CodeSyntaxError          = "42601"
-	CodeQueryCanceled        = "57014"
-	CodeSerializationFailure = "40001"
 	CodeFeatureNotSupported  = "0A000"
 )
 

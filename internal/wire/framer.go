@@ -140,23 +140,9 @@ func (r *Reader) CopyBody(w *bufio.Writer) error {
 	return nil
 }
 
-// Discard skips the rest of the current body.
-func (r *Reader) Discard() error {
-	if r.pending == 0 {
-		return nil
-	}
-	_, err := r.br.Discard(r.pending)
-	r.pending = 0
-	return unexpected(err)
-}
-
 // Buffered reports how many bytes can be read without blocking. The proxy
 // flushes its writer before it blocks on a read.
 func (r *Reader) Buffered() int { return r.br.Buffered() }
-
-// Type and Len describe the current message.
-func (r *Reader) Type() byte { return r.typ }
-func (r *Reader) Len() int   { return r.n }
 
 func unexpected(err error) error {
 	if errors.Is(err, io.EOF) {
@@ -189,14 +175,4 @@ func AppendMessage(dst []byte, typ byte, body []byte) []byte {
 	dst = append(dst, typ)
 	dst = binary.BigEndian.AppendUint32(dst, uint32(len(body)+4))
 	return append(dst, body...)
-}
-
-// CString reads a NUL-terminated string at the start of b and returns it and
-// the bytes after it.
-func CString(b []byte) (s string, rest []byte, err error) {
-	before, after, ok := cutNul(b)
-	if !ok {
-		return "", nil, fmt.Errorf("%w: string without terminator", ErrMalformed)
-	}
-	return string(before), after, nil
 }
