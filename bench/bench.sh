@@ -747,7 +747,7 @@ if ((use_bouncer)); then
 	printf 'pgbouncer:  peak RSS (VmHWM) %.1f MiB, CPU time %.1f s\n' \
 		"$(echo "$bouncer_hwm / 1024" | bc -l)" "$(echo "$bouncer_cpu / $clk_tck" | bc -l)"
 fi
-echo "fence.bindings: $bindings row(s) of resource $resource at the end (one per fenced backend started; a row leaves when its pid is bound again or at the next raise of the resource)"
+echo "fence.bindings: $bindings row(s) of resource $resource at the end (one per fenced backend started; a row leaves when its pid is bound again, at the next raise of the resource, or when one bind in 64 sweeps the rows of exited backends)"
 problems=$(grep -ciE '"level":"(warn|error|dpanic|panic|fatal)"|\b(WARN|ERROR|PANIC|FATAL)\b' "$work/fenceproxy.log" || true)
 echo "fenceproxy log: $problems line(s) at warn or above$([[ $problems -gt 0 ]] && echo ', first ones:')"
 if [[ $problems -gt 0 ]]; then head -n 10 "$work/fenceproxy.log" | cut -c1-300 | sed 's/^/    | /'; fi

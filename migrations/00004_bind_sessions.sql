@@ -91,7 +91,8 @@ COMMENT ON TABLE fence.keys IS
 REVOKE ALL ON TABLE fence.keys FROM PUBLIC;
 
 -- One row per bound backend. Rows of backends that have exited stay until their pid is bound
--- again or the next raise of their resource removes them; a row matches a live backend only
+-- again, the next raise of their resource, or a bind that sweeps them (fence.forget_exited,
+-- one bind in 64) removes them; a row matches a live backend only
 -- with its backend_start, so a leftover never stands for another backend. UNLOGGED: a binding
 -- means something only while its backend lives, and no backend outlives a crash (which
 -- empties unlogged tables) or a failover (a promoted standby has no backends of the old

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"errors"
-	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -110,8 +109,6 @@ func fencedProxy(t *testing.T, pg *testenv.Postgres, mod ...func(*proxy.Config))
 	}
 	return testenv.StartProxy(t, pg, cfg)
 }
-
-func strconvItoa(i int) string { return fmt.Sprint(i) }
 
 func bytesReader(b []byte) *bytes.Reader { return bytes.NewReader(b) }
 

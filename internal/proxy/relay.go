@@ -133,7 +133,13 @@ func (sess *session) endFencing(fe *fence.Error, answering bool) {
 		// The server first: nothing it still sends may follow the error.
 		sess.server.Close()
 		resp := fe.Response(wire.SeverityError)
+		// Before cwMu: a relayed write blocked on a client that does not
+		// read, holding it, fails by then.
 		sess.client.SetWriteDeadline(time.Now().Add(time.Second)) //nolint:errcheck
+		// Under cwMu, which relayReady holds while it relays a ReadyForQuery
+		// and counts it: the units counted here are exactly those whose
+		// ReadyForQuery did not reach the client, and nothing relayed follows.
+		sess.cwMu.Lock()
 		sess.mu.Lock()
 		waiting := sess.outstanding
 		sess.outstanding = 0
@@ -141,13 +147,16 @@ func (sess *session) endFencing(fe *fence.Error, answering bool) {
 		var err error
 		switch {
 		case waiting > 0:
+			body := wire.AppendError(nil, resp)[5:]
 			for range waiting {
-				err = errors.Join(err, sess.writeClientError(resp), sess.writeClient('Z', []byte{'I'}))
+				err = errors.Join(err, wire.WriteMessage(sess.cw, 'E', body), wire.WriteMessage(sess.cw, 'Z', []byte{'I'}))
 			}
 		case !answering:
-			err = sess.writeClientError(fe.Response(wire.SeverityFatal))
+			err = wire.WriteMessage(sess.cw, 'E', wire.AppendError(nil, fe.Response(wire.SeverityFatal))[5:])
 		}
-		if err = errors.Join(err, sess.flushClient()); err != nil {
+		err = errors.Join(err, sess.cw.Flush())
+		sess.cwMu.Unlock()
+		if err != nil {
 			// The client does not read (frozen with a result half sent, whose
 			// write just failed at the deadline): no answer can reach it
 			// whole, and lingering would leave it waiting for the rest.
@@ -339,10 +348,9 @@ func (sess *session) serverToClient() error {
 			if len(body) != 1 {
 				return fmt.Errorf("malformed ReadyForQuery")
 			}
-			if err := sess.writeClient(typ, body); err != nil {
+			if err := sess.relayReady(body); err != nil {
 				return err
 			}
-			sess.readyForQuery(body[0])
 		case 'E':
 			if sess.mode != modeFenced {
 				if err := sess.copyClient(); err != nil {
@@ -364,7 +372,7 @@ func (sess *session) serverToClient() error {
 			if derr == nil && e.Severity == wire.SeverityFatal {
 				sess.serverSaid.Store(true) // the end is not silent: explainServerEnd adds nothing
 			}
-			if err := sess.writeClient(typ, body); err != nil {
+			if err := sess.relayClient(typ, body); err != nil {
 				return err
 			}
 		default:
@@ -403,8 +411,19 @@ func (sess *session) writeClient(typ byte, body []byte) error {
 
 // copyClient streams the current server message to the client. Its errors
 // are the client's, but for a read error of the server's body.
+//
+// It and relayClient write nothing once the proxy ended the session: the
+// server connection is closed then, but messages read before the close may
+// still be buffered, and nothing the server sent may follow the proxy's
+// error. endFencing and end set ended before they take cwMu to write it, so a
+// message whose write holds cwMu first goes before the error, whole, and one
+// that takes it after sees ended.
 func (sess *session) copyClient() error {
 	sess.cwMu.Lock()
+	if sess.ended.Load() {
+		sess.cwMu.Unlock()
+		return errEnded
+	}
 	err := sess.sr.CopyBody(sess.cw)
 	sess.cwMu.Unlock()
 	if errors.Is(err, wire.ErrRead) {
@@ -413,8 +432,26 @@ func (sess *session) copyClient() error {
 	return err
 }
 
-// readyForQuery records a ReadyForQuery relayed to the client.
-func (sess *session) readyForQuery(status byte) {
+// relayClient writes a server message read whole (see copyClient).
+func (sess *session) relayClient(typ byte, body []byte) error {
+	sess.cwMu.Lock()
+	defer sess.cwMu.Unlock()
+	if sess.ended.Load() {
+		return errEnded
+	}
+	return wire.WriteMessage(sess.cw, typ, body)
+}
+
+// relayReady relays a ReadyForQuery and counts it, both under cwMu (see
+// endFencing), and ends the session if it is shutting down and now idle.
+func (sess *session) relayReady(body []byte) error {
+	status := body[0]
+	sess.cwMu.Lock()
+	if sess.ended.Load() {
+		sess.cwMu.Unlock()
+		return errEnded
+	}
+	err := wire.WriteMessage(sess.cw, 'Z', body)
 	sess.mu.Lock()
 	sess.status = status
 	if sess.outstanding > 0 {
@@ -422,10 +459,15 @@ func (sess *session) readyForQuery(status byte) {
 	}
 	idle := sess.outstanding == 0 && status == 'I'
 	sess.mu.Unlock()
+	sess.cwMu.Unlock()
+	if err != nil {
+		return err
+	}
 	if idle && sess.shuttingDown.Load() {
 		sess.flushClientIfIdle() //nolint:errcheck
 		sess.end(sess.shutdownError())
 	}
+	return nil
 }
 
 // serverReadError tells the client why its connection is being closed when

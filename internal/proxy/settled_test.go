@@ -27,7 +27,7 @@ func TestServerEndExplainedByAsking(t *testing.T) {
 
 	step := func(name string, token, raiseTo int64, busy bool, end func(pid uint32)) string {
 		t.Helper()
-		s := rvConnect(t, a.FenceURL("app", "postgres", "billing", token))
+		s := connect(t, a.FenceURL("app", "postgres", "billing", token))
 		pid := s.PgConn().PID()
 		errc := make(chan error, 1)
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -37,7 +37,7 @@ func TestServerEndExplainedByAsking(t *testing.T) {
 			waitActive(t, admin, pid, "pg_sleep")
 		}
 		if raiseTo > 0 {
-			rvConnect(t, b.FenceURL("app", "postgres", "billing", raiseTo))
+			connect(t, b.FenceURL("app", "postgres", "billing", raiseTo))
 		} else {
 			end(pid)
 		}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"os"
 	"os/exec"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -171,7 +172,7 @@ func TestPsqlFenced(t *testing.T) {
 	pg, admin := fencedDB(t)
 	p := fencedProxy(t, pg)
 	psql := func(token string, sql string) (string, error) {
-		cmd := exec.Command(pg.Bin("psql"), "-X", "-v", "ON_ERROR_STOP=1", "-h", p.Host, "-p", itoa(p.Port), "-U", "app", "-d", "postgres", "-c", sql)
+		cmd := exec.Command(pg.Bin("psql"), "-X", "-v", "ON_ERROR_STOP=1", "-h", p.Host, "-p", strconv.Itoa(p.Port), "-U", "app", "-d", "postgres", "-c", sql)
 		cmd.Env = append(os.Environ(), "PGOPTIONS=-c fence.resource=billing -c fence.token="+token, "PGSSLMODE=disable")
 		out, err := cmd.CombinedOutput()
 		return string(out), err
@@ -190,8 +191,6 @@ func TestPsqlFenced(t *testing.T) {
 		t.Fatalf("%d psql rows, want 2", n)
 	}
 }
-
-func itoa(i int) string { return strconvItoa(i) }
 
 // TestRefusalOverTLS: a session refused at startup after the TLS switch
 // gets its error over TLS, readable by the client.

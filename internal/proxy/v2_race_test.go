@@ -127,7 +127,7 @@ func v2Race(t *testing.T, e *v2Env, rounds, writers int, fenced bool) v2RaceResu
 					}
 					ended++
 					// A reconnect with the old token is refused.
-					if err := connectErrV2(ctx, url); v2Code(err) == fence.CodeStale {
+					if err := connectErr(url); v2Code(err) == fence.CodeStale {
 						refused++
 					} else {
 						unexpected = append(unexpected, fmt.Sprintf("round %d writer %d: reconnect with token %d: %v, want ZF001", r, i, oldTok, err))

@@ -1401,13 +1401,13 @@ func TestV2TokensPerDatabase(t *testing.T) {
 		t.Fatalf("a raise in v2other ended a session of postgres: %v", err)
 	}
 	// Stale tokens are refused at connect, per database.
-	if err := connectErrV2(ctx, e.a.FenceURL("app", "postgres", "billing", 18)); v2Code(err) != fence.CodeStale {
+	if err := connectErr(e.a.FenceURL("app", "postgres", "billing", 18)); v2Code(err) != fence.CodeStale {
 		t.Fatalf("18 in postgres: %v, want ZF001", err)
 	}
-	if err := connectErrV2(ctx, e.a.FenceURL("app", "v2other", "billing", 7)); v2Code(err) != fence.CodeStale {
+	if err := connectErr(e.a.FenceURL("app", "v2other", "billing", 7)); v2Code(err) != fence.CodeStale {
 		t.Fatalf("7 in v2other: %v, want ZF001", err)
 	}
-	if err := connectErrV2(ctx, e.a.FenceURL("app", "v2other", "billing", 8)); err != nil {
+	if err := connectErr(e.a.FenceURL("app", "v2other", "billing", 8)); err != nil {
 		t.Fatalf("8 in v2other: %v", err)
 	}
 	var n18, n7 int
@@ -1416,14 +1416,6 @@ func TestV2TokensPerDatabase(t *testing.T) {
 	if n18 != 1 || n7 != 2 {
 		t.Fatalf("rows: %d of 18 in postgres (want 1), %d of 7 in v2other (want 2)", n18, n7)
 	}
-}
-
-func connectErrV2(ctx context.Context, url string) error {
-	conn, err := pgx.Connect(ctx, url)
-	if err == nil {
-		conn.Close(ctx)
-	}
-	return err
 }
 
 // ---------------------------------------------------------------------
@@ -1486,7 +1478,7 @@ func TestV2PreparedTransactionBlocksRaise(t *testing.T) {
 			if total != want || after != 0 {
 				t.Fatalf("stale rows %d (want %d), %d after the raise", total, want, after)
 			}
-			if err := connectErrV2(ctx, e.a.FenceURL("app", "postgres", res, tok)); v2Code(err) != fence.CodeStale {
+			if err := connectErr(e.a.FenceURL("app", "postgres", res, tok)); v2Code(err) != fence.CodeStale {
 				t.Fatalf("reconnect with %d: %v, want ZF001", tok, err)
 			}
 		})

@@ -85,19 +85,6 @@ func rvWaitLocked(t *testing.T, conn querier, user string) (int32, string) {
 	}
 }
 
-// rvConnect connects to url, failing the test with the error's SQLSTATE.
-func rvConnect(t *testing.T, url string) *pgx.Conn {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-	defer cancel()
-	conn, err := pgx.Connect(ctx, url)
-	if err != nil {
-		t.Fatalf("connect: SQLSTATE %q: %v", sqlstate(err), err)
-	}
-	t.Cleanup(func() { conn.Close(context.Background()) })
-	return conn
-}
-
 // TestForgedRaiseNotificationIsNotBelieved (F1): any session may NOTIFY on
 // fence_raise. A proxy with a listener must take the stored token, not the
 // payload: a forged "billing 999999" from an unfenced session directly on the
@@ -111,7 +98,7 @@ func TestForgedRaiseNotificationIsNotBelieved(t *testing.T) {
 	b := fencedProxy(t, pg)
 	ctx := ctxT(t)
 
-	s5 := rvConnect(t, a.FenceURL("app", "postgres", "billing", 5))
+	s5 := connect(t, a.FenceURL("app", "postgres", "billing", 5))
 	if got := rvStored(t, admin, "billing"); got != 5 {
 		t.Fatalf("stored token %d after the bind of 5, want 5", got)
 	}
@@ -124,7 +111,7 @@ func TestForgedRaiseNotificationIsNotBelieved(t *testing.T) {
 	// A real raise of another resource, notified after the forgeries: once the
 	// listener has learned it, it has read every forgery (one channel, in
 	// commit order).
-	rvConnect(t, b.FenceURL("app", "postgres", "other", 3))
+	connect(t, b.FenceURL("app", "postgres", "other", 3))
 	waitStale(t, a, "postgres", "other", 3)
 	if _, err := s5.Exec(ctx, "INSERT INTO items(tag, token) VALUES ('f1-after-forgery', 5)"); err != nil {
 		t.Fatalf("the fenced session of the stored token 5 was ended by a forged notification: SQLSTATE %q: %v", sqlstate(err), err)
@@ -135,14 +122,14 @@ func TestForgedRaiseNotificationIsNotBelieved(t *testing.T) {
 	if h := a.Registry.Highest("postgres", "other"); h != 3 {
 		t.Fatalf("the proxy believes other's highest token is %d, want the stored 3", h)
 	}
-	again := rvConnect(t, a.FenceURL("app", "postgres", "billing", 5))
+	again := connect(t, a.FenceURL("app", "postgres", "billing", 5))
 	if _, err := again.Exec(ctx, "SELECT 1"); err != nil {
 		t.Fatalf("a new session of token 5: %v", err)
 	}
 
 	// A real raise is still learned.
 	start := time.Now()
-	rvConnect(t, b.FenceURL("app", "postgres", "billing", 6))
+	connect(t, b.FenceURL("app", "postgres", "billing", 6))
 	waitStale(t, a, "postgres", "billing", 6)
 	_, err := s5.Exec(ctx, "SELECT 1")
 	wantStale(t, err)
@@ -165,7 +152,7 @@ func TestOversizedAuthAnswerRefusedUnread(t *testing.T) {
 	pg, _ := fencedDB(t, testenv.WithAuth("scram-sha-256"))
 	p := fencedProxy(t, pg, func(c *proxy.Config) { c.LoginTimeout = 30 * time.Second })
 
-	ok := rvConnect(t, p.URLWithPassword("app", "app", "postgres", "fence.resource=billing", "fence.token=1"))
+	ok := connect(t, p.URLWithPassword("app", "app", "postgres", "fence.resource=billing", "fence.token=1"))
 	if _, err := ok.Exec(ctxT(t), "SELECT 1"); err != nil {
 		t.Fatalf("a session after a normal SCRAM login: %v", err)
 	}
@@ -220,7 +207,7 @@ func TestBindAndRaiseProofsNotInPgStatActivity(t *testing.T) {
 	ctx := ctxT(t)
 	peer := connect(t, pg.URL("app", "postgres")) // the role's other session
 
-	s5 := rvConnect(t, p.FenceURL("app", "postgres", "billing", 5))
+	s5 := connect(t, p.FenceURL("app", "postgres", "billing", 5))
 	var q string
 	if err := peer.QueryRow(ctx, `SELECT query FROM pg_stat_activity WHERE pid = $1`, int32(s5.PgConn().PID())).Scan(&q); err != nil {
 		t.Fatal(err)
@@ -322,7 +309,7 @@ func TestStaleLeaderCommitGetsZF001InLibpq(t *testing.T) {
 	// sessions of lower tokens (and a little more: A's FATAL is on its way
 	// before the client sends its COMMIT).
 	raise := func(t *testing.T, tok int64) {
-		rvConnect(t, b.FenceURL("app", "postgres", "billing", tok))
+		connect(t, b.FenceURL("app", "postgres", "billing", tok))
 		waitStale(t, a, "postgres", "billing", tok)
 		time.Sleep(300 * time.Millisecond)
 	}
@@ -515,7 +502,7 @@ func TestSilentServerEndOfStaleSessionIsAnError(t *testing.T) {
 			}
 			time.Sleep(20 * time.Millisecond)
 		}
-		rvConnect(t, a.FenceURL("app", "postgres", "billing", 6)) // ends the backend before it commits
+		connect(t, a.FenceURL("app", "postgres", "billing", 6)) // ends the backend before it commits
 		readToEnd(t, r)
 	})
 
@@ -555,11 +542,11 @@ func TestBindIgnoresRoleTimeouts(t *testing.T) {
 			mustExec(t, admin, "ALTER ROLE app SET "+setting+" = '50ms'")
 			defer mustExec(t, admin, "ALTER ROLE app RESET "+setting)
 			tok := int64(10 * (i + 1))
-			old := rvConnect(t, p.FenceURL("app", "postgres", "billing", tok))
+			old := connect(t, p.FenceURL("app", "postgres", "billing", tok))
 			release := rvLockTokenRow(t, pg.AdminURL(), "billing")
 			time.AfterFunc(300*time.Millisecond, release)
 			start := time.Now()
-			leader := rvConnect(t, p.FenceURL("app", "postgres", "billing", tok+1))
+			leader := connect(t, p.FenceURL("app", "postgres", "billing", tok+1))
 			if d := time.Since(start); d < 250*time.Millisecond {
 				t.Fatalf("the bind took %v: it did not wait for the token row, the test proves nothing", d)
 			}
@@ -587,7 +574,7 @@ func TestStaleTokenNotDisclosedBeforeAuthentication(t *testing.T) {
 	pg, _ := fencedDB(t, testenv.WithAuth("scram-sha-256"))
 	p := fencedProxy(t, pg)
 	const admitted = 734
-	rvConnect(t, p.URLWithPassword("app", "app", "postgres", "fence.resource=billing", fmt.Sprintf("fence.token=%d", admitted)))
+	connect(t, p.URLWithPassword("app", "app", "postgres", "fence.resource=billing", fmt.Sprintf("fence.token=%d", admitted)))
 	if h := p.Registry.Highest("postgres", "billing"); h != admitted {
 		t.Fatalf("the proxy knows token %d, want %d: the test would prove nothing", h, admitted)
 	}
@@ -688,7 +675,7 @@ func TestRefusedRaiseEndsNobody(t *testing.T) {
 	pg, admin := fencedDB(t, testenv.WithConf("max_prepared_transactions", "2"))
 	p := fencedProxy(t, pg)
 	ctx := ctxT(t)
-	s5 := rvConnect(t, p.FenceURL("app", "postgres", "billing", 5))
+	s5 := connect(t, p.FenceURL("app", "postgres", "billing", 5))
 	twopc := connect(t, pg.AdminURL())
 	mustExec(t, twopc, "BEGIN")
 	mustExec(t, twopc, "INSERT INTO items(tag) VALUES ('f8-prepared')")
@@ -706,7 +693,7 @@ func TestRefusedRaiseEndsNobody(t *testing.T) {
 	}
 
 	mustExec(t, admin, "ROLLBACK PREPARED 'f8'")
-	rvConnect(t, p.FenceURL("app", "postgres", "billing", 6))
+	connect(t, p.FenceURL("app", "postgres", "billing", 6))
 	if _, err := s5.Exec(ctx, "SELECT 1"); err == nil {
 		t.Fatal("the session of 5 survived the raise to 6")
 	}
