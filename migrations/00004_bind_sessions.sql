@@ -334,10 +334,39 @@ $fn$;
 -- +goose StatementEnd
 REVOKE ALL ON FUNCTION fence.end_stale(text, bigint, interval) FROM PUBLIC;
 
+-- fence.notify(payload, max_usage): tells the listening proxies of a raise on 'fence_raise'
+-- (NOTIFY is transactional: they hear of it when the raise commits), unless the notification
+-- queue is more than max_usage full. A full queue fails the commit of every transaction that
+-- notifies ("too many notifications in the NOTIFY queue", at commit), and any role can fill it
+-- (a session that LISTENs and stays idle in a transaction while others notify): notifying
+-- regardless would let any client make every raise fail, locking the new leader out. The
+-- guarantee does not rest on the notification (P2 ends the stale backends), only the
+-- promptness of the proxies' errors, and they ask the database anyway (fence.settled). Not
+-- granted to PUBLIC.
+-- +goose StatementBegin
+CREATE FUNCTION fence.notify(payload text, max_usage double precision DEFAULT 0.5)
+RETURNS void
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    IF pg_notification_queue_usage() < max_usage THEN
+        PERFORM pg_notify('fence_raise', payload);
+    ELSE
+        RAISE LOG 'fenceproxy: raise "%" not notified: the NOTIFY queue is %%% full',
+            payload, round((100 * pg_notification_queue_usage())::numeric, 1);
+    END IF;
+END
+$fn$;
+-- +goose StatementEnd
+REVOKE ALL ON FUNCTION fence.notify(text, double precision) FROM PUBLIC;
+
 -- fence.raise_locked(resource, token): the raise. Locks resource's row FOR UPDATE (P1),
 -- creating it when missing, and when token is higher than the stored one ends the stale
--- backends (P2, P4), stores it and notifies 'fence_raise' with '<resource> <token>' (NOTIFY is
--- transactional: listeners hear of the raise when it commits). Returns the token stored
+-- backends (P2, P4), stores it and notifies 'fence_raise' with '<resource> <token>'
+-- (fence.notify). Returns the token stored
 -- afterwards. Not granted to PUBLIC.
 -- +goose StatementBegin
 CREATE FUNCTION fence.raise_locked(resource text, token bigint)
@@ -360,7 +389,7 @@ BEGIN
     END IF;
     PERFORM fence.end_stale(p_resource, p_token, interval '5 seconds');
     UPDATE fence.tokens AS t SET token = p_token, updated_at = now() WHERE t.resource = p_resource;
-    PERFORM pg_notify('fence_raise', p_resource || ' ' || p_token);
+    PERFORM fence.notify(p_resource || ' ' || p_token);
     -- (P7) The session or its role may have turned synchronous_commit off.
     IF current_setting('synchronous_commit') = 'off' THEN
         PERFORM set_config('synchronous_commit', 'local', true);
@@ -548,7 +577,7 @@ BEGIN
         PERFORM fence.end_stale(p_resource, p_token, interval '5 seconds');
     END IF;
     UPDATE fence.tokens AS t SET token = p_token, updated_at = now() WHERE t.resource = p_resource;
-    PERFORM pg_notify('fence_raise', p_resource || ' ' || p_token || ' reset');
+    PERFORM fence.notify(p_resource || ' ' || p_token || ' reset');
     IF current_setting('synchronous_commit') = 'off' THEN -- (P7)
         PERFORM set_config('synchronous_commit', 'local', true);
     END IF;

@@ -29,9 +29,12 @@ import (
 // adds for fenced sessions is promptness and a clear error:
 //
 //   - a session this proxy knows to be stale (the registry: its own binds, the
-//     control database's notifications, Consul) is ended at once with ZF001,
-//     and one whose resource is blocked (lock free, LockIndex regression) at
-//     its next message with the blocking error;
+//     control database's notifications, Consul) is ended with ZF001, and one
+//     whose resource is blocked (lock free, LockIndex regression) at its next
+//     message with the blocking error; in both cases only once the client has
+//     every answer the server gave to what it sent before (endWhenAnswered):
+//     an answer the server sent is the truth about that unit (a COMMIT that
+//     committed says so), whatever the proxy has learned meanwhile;
 //   - when PostgreSQL ends the backend (FATAL 57P01, or the connection closes),
 //     the proxy asks the database whether a raise did it (explainServerEnd)
 //     and if so tells the client ZF001 with the admitted token instead.
@@ -93,6 +96,11 @@ func (sess *session) relay(ctx context.Context) error {
 		sess.end(nil)
 	}
 	close(sess.done)
+	sess.mu.Lock()
+	if sess.pendingTimer != nil {
+		sess.pendingTimer.Stop()
+	}
+	sess.mu.Unlock()
 	<-errc
 	if sess.draining.Load() {
 		// clientToServer has read the client's message (or its end, or the
@@ -110,7 +118,8 @@ func (sess *session) relay(ctx context.Context) error {
 func (sess *session) end(resp *pgproto3.ErrorResponse) {
 	sess.endOnce.Do(func() {
 		sess.ended.Store(true)
-		if resp != nil {
+		close(sess.endedCh)
+		if resp != nil && !sess.cut.Load() {
 			sess.client.SetWriteDeadline(time.Now().Add(time.Second)) //nolint:errcheck
 			sess.writeClientError(resp)                               //nolint:errcheck // the connection closes anyway
 			sess.flushClient()                                        //nolint:errcheck
@@ -129,6 +138,7 @@ func (sess *session) end(resp *pgproto3.ErrorResponse) {
 func (sess *session) endFencing(fe *fence.Error, answering bool) {
 	sess.endOnce.Do(func() {
 		sess.ended.Store(true)
+		close(sess.endedCh)
 		sess.srv.metrics.rejection(fe.Code)
 		// The server first: nothing it still sends may follow the error.
 		sess.server.Close()
@@ -140,6 +150,13 @@ func (sess *session) endFencing(fe *fence.Error, answering bool) {
 		// and counts it: the units counted here are exactly those whose
 		// ReadyForQuery did not reach the client, and nothing relayed follows.
 		sess.cwMu.Lock()
+		if sess.cut.Load() {
+			// The server's stream ended inside a message the client has
+			// part of: nothing can follow it but the end.
+			sess.cwMu.Unlock()
+			sess.client.Close()
+			return
+		}
 		sess.mu.Lock()
 		waiting := sess.outstanding
 		sess.outstanding = 0
@@ -221,34 +238,46 @@ func (sess *session) busy() bool {
 	return sess.outstanding > 0
 }
 
-// endWhenStale ends a fenced session as soon as the registry says a higher
-// token was admitted for its resource. A query in flight is cancelled too: the
-// backend may still be alive (Consul showed a new holder before any raise), and
-// closing its connection alone would let the running statement go on until it
-// next talks to the client.
+// endWhenStale ends a fenced session once the registry says a higher token
+// was admitted for its resource, and the client has the answers in flight
+// (endWhenAnswered). A running statement is left to the server: when the
+// database admitted the token, its raise ended the backend already (the relay
+// hears of it as the server's end); when only Consul said so, the statement
+// may still commit, as it may until the raise commits, and the new leader's
+// raise ends the backend.
 func (sess *session) endWhenStale() {
 	select {
 	case <-sess.staleCh:
-		busy := sess.busy()
-		sess.log.Info("ending stale session", zap.Int64("admitted", sess.admitted.Load()), zap.Bool("in_flight", busy))
-		sess.endFencing(sess.staleError(), false)
-		if busy {
-			// After the end: the query's cancellation error must not reach the
-			// client before the fencing error does.
-			sess.cancelInFlight()
-		}
+		sess.log.Info("ending stale session", zap.Int64("admitted", sess.admitted.Load()), zap.Bool("in_flight", sess.busy()))
+		sess.endWhenAnswered(sess.staleError(), false)
 	case <-sess.done:
 	}
 }
 
-// cancelInFlight asks the server to cancel the session's running query.
-func (sess *session) cancelInFlight() {
-	ctx, cancel := context.WithTimeout(context.Background(), sess.srv.cfg.ConnectTimeout)
-	defer cancel()
-	req := &wire.Startup{Kind: wire.KindCancelRequest, ProcessID: sess.pid, SecretKey: sess.key}
-	if err := sess.srv.forwardCancel(ctx, req); err != nil {
-		sess.log.Warn("could not cancel the stale session's query", zap.Error(err))
+// endWhenAnswered ends the session with fe (endFencing) as soon as no unit the
+// client sent waits for the server's answer: now if none does, else when the
+// relay has delivered the last ReadyForQuery (relayReady), or when the server
+// ends (explainServerEnd), which answers the units left with fe. The first fe
+// is the one used. A client that does not read its answers is given
+// staleLinger; then the session ends anyway.
+func (sess *session) endWhenAnswered(fe *fence.Error, answering bool) {
+	sess.mu.Lock()
+	if sess.pending == nil {
+		sess.pending = &pendingEnd{fe: fe, answering: answering}
+		sess.pendingTimer = time.AfterFunc(staleLinger, func() { sess.endFencing(fe, answering) })
 	}
+	p := sess.pending
+	idle := sess.outstanding == 0
+	sess.mu.Unlock()
+	if idle {
+		sess.endFencing(p.fe, p.answering)
+	}
+}
+
+// pendingEnd is an end that waits for the answers in flight.
+type pendingEnd struct {
+	fe        *fence.Error
+	answering bool // a unit of the client's waits for the error (no FATAL)
 }
 
 // explainServerEnd runs when the server ended a fenced session (FATAL 57P01
@@ -258,6 +287,15 @@ func (sess *session) cancelInFlight() {
 // client is told ZF001; otherwise it gets the server's own error, or one that
 // says the server closed the connection.
 func (sess *session) explainServerEnd() {
+	sess.mu.Lock()
+	p := sess.pending
+	sess.mu.Unlock()
+	if p != nil && p.fe.Code == fence.CodeStale {
+		// The proxy was ending it as stale already: the units left get the
+		// error (whose detail says a COMMIT among them may have committed).
+		sess.endFencing(p.fe, false)
+		return
+	}
 	// A server FATAL other than 57P01 was relayed already (08P01, 25P03...):
 	// the end was the server's own, not a raise's, and said so.
 	said := sess.serverFatal.Load() == nil && sess.serverSaid.Load()
@@ -425,6 +463,9 @@ func (sess *session) copyClient() error {
 		return errEnded
 	}
 	err := sess.sr.CopyBody(sess.cw)
+	if errors.Is(err, wire.ErrCut) {
+		sess.cut.Store(true) // under cwMu: before any end writes after it
+	}
 	sess.cwMu.Unlock()
 	if errors.Is(err, wire.ErrRead) {
 		return fmt.Errorf("%w: %w", errServerGone, err)
@@ -458,10 +499,16 @@ func (sess *session) relayReady(body []byte) error {
 		sess.outstanding--
 	}
 	idle := sess.outstanding == 0 && status == 'I'
+	p := sess.pending
+	answered := p != nil && sess.outstanding == 0
 	sess.mu.Unlock()
 	sess.cwMu.Unlock()
 	if err != nil {
 		return err
+	}
+	if answered {
+		sess.endFencing(p.fe, p.answering)
+		return errEnded
 	}
 	if idle && sess.shuttingDown.Load() {
 		sess.flushClientIfIdle() //nolint:errcheck
@@ -498,8 +545,15 @@ func (sess *session) clientToServer() error {
 				return sess.answerEnded(typ)
 			}
 			// Two atomic loads: the refusal known before the database's.
+			// The unit is not forwarded; the answers to those before it
+			// reach the client first, then the session ends and this
+			// one gets the error.
 			if fe := sess.refusal(); fe != nil {
-				sess.endFencing(fe, true)
+				sess.endWhenAnswered(fe, true)
+				<-sess.endedCh
+				if sess.lingerResp.Load() == nil {
+					return errEnded // ended otherwise (shutdown, the server's own end)
+				}
 				return sess.answerEnded(typ)
 			}
 		}

@@ -63,17 +63,23 @@ type session struct {
 	blocked     atomic.Pointer[fence.Error] // resource blocked: lock free, or LockIndex regression
 	serverFatal atomic.Pointer[pgproto3.ErrorResponse]
 	serverSaid  atomic.Bool // a FATAL of the server's own (not 57P01) was relayed to the client
+	cut         atomic.Bool // the server's stream ended inside a message relayed in part
 
 	shuttingDown atomic.Bool
 	endOnce      sync.Once
 	ended        atomic.Bool                            // end ran
+	endedCh      chan struct{}                          // closed when end runs
 	lingerResp   atomic.Pointer[pgproto3.ErrorResponse] // endFencing's error, for answerEnded (staleLinger)
 	draining     atomic.Bool                            // relay drains the client connection before it closes it
 
 	mu          sync.Mutex
-	status      byte          // from the last ReadyForQuery relayed
-	outstanding int           // units (Sync, Query, FunctionCall) forwarded but not answered
-	done        chan struct{} // closed when the relay ends
+	status      byte // from the last ReadyForQuery relayed
+	outstanding int  // units (Sync, Query, FunctionCall) forwarded but not answered
+	// pending is an end waiting for the answers in flight
+	// (endWhenAnswered), pendingTimer its bound.
+	pending      *pendingEnd
+	pendingTimer *time.Timer
+	done         chan struct{} // closed when the relay ends
 }
 
 type sessionMode uint8
@@ -102,7 +108,7 @@ func fatalFence(fe *fence.Error) *fatal {
 }
 
 func (s *Server) handle(ctx context.Context, conn net.Conn) {
-	sess := &session{srv: s, client: conn, status: 'I', done: make(chan struct{}), staleCh: make(chan struct{})}
+	sess := &session{srv: s, client: conn, status: 'I', done: make(chan struct{}), staleCh: make(chan struct{}), endedCh: make(chan struct{})}
 	sess.log = s.log.With(zap.Uint64("session", s.sessionIDs.Add(1)))
 	if tc, ok := conn.(*net.TCPConn); ok {
 		tc.SetNoDelay(true) //nolint:errcheck // best effort
@@ -166,7 +172,15 @@ func (sess *session) start(ctx context.Context, clients int64) error {
 		}
 	})
 	err := sess.login(loginCtx, clients)
-	if !stop() || timedOut.Load() {
+	// The upstream connection's own deadline is the login deadline too (login
+	// sets it): its read may fail before the AfterFunc runs.
+	if !stop() || timedOut.Load() || errors.Is(loginCtx.Err(), context.DeadlineExceeded) {
+		if sess.mode == modeFenced && sess.pid != 0 {
+			// The bind may still be running (its raise waiting for a stale
+			// backend to exit): cancel it, or it could commit a raise that
+			// no client waits for any more.
+			sess.cancelBackend()
+		}
 		// Whatever failed first (a read, the server's answer), the cause is
 		// the timeout: say so, and whose side was late.
 		var f *fatal
@@ -509,6 +523,13 @@ func (sess *session) bind(ctx context.Context) error {
 	for ready := 0; ready < 3; {
 		typ, _, err := sess.sr.Next()
 		if err != nil {
+			if serverErr != nil && serverErr.Severity == wire.SeverityFatal {
+				// The server said why (a pg_terminate_backend of the
+				// binding backend: 57P01): its own words.
+				return &fatal{resp: &pgproto3.ErrorResponse{Severity: wire.SeverityFatal, Code: serverErr.Code,
+					Message: serverErr.Message, Detail: serverErr.Detail,
+					Hint: "fenceproxy: the server ended the session's backend while binding it to its fencing token; nothing was bound, retry."}, err: err}
+			}
 			return fatalf(wire.CodeConnectionFailure, "fenceproxy lost the server while binding the session: %v", err)
 		}
 		body, err := sess.sr.Body()
@@ -544,6 +565,16 @@ func (sess *session) bind(ctx context.Context) error {
 	}
 	sess.srv.metrics.bind(outcome, time.Since(started))
 	return err
+}
+
+// cancelBackend asks the server to cancel what the session's backend runs.
+func (sess *session) cancelBackend() {
+	ctx, cancel := context.WithTimeout(context.Background(), sess.srv.cfg.ConnectTimeout)
+	defer cancel()
+	req := &wire.Startup{Kind: wire.KindCancelRequest, ProcessID: sess.pid, SecretKey: sess.key}
+	if err := sess.srv.forwardCancel(ctx, req); err != nil {
+		sess.log.Warn("could not cancel the bind", zap.Error(err))
+	}
 }
 
 // bound judges the bind's outcome.

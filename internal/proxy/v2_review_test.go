@@ -11,6 +11,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -22,6 +23,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
@@ -741,5 +743,182 @@ func TestServerFatalOfFencedSessionRelayedAlone(t *testing.T) {
 				t.Fatalf("want the server's FATAL 57P05 alone, got %q", got)
 			}
 		})
+	}
+}
+
+// TestFrozenClientGetsEveryAnswerBeforeTheError (second review, finding 01):
+// a stale leader's client pipelines a SELECT of 6 MB and an INSERT and stops
+// reading; the backend sends everything (most of it backs up between the
+// server and the proxy), commits the INSERT and goes idle; a new leader's
+// raise ends it; the client wakes up 1.5 s later. Through the proxy that
+// hears of the raise, the client must still read every answer the server gave
+// (the rows whole, the SELECT's and the INSERT's CommandComplete and
+// ReadyForQuery) and only then the proxy's ZF001: before the fix the proxy
+// closed the server connection when it heard of the raise, dropped what was
+// still buffered and cut the client off inside a row, after 1 s, with no
+// error, so the client never learned that its INSERT committed. Through the
+// proxy that does not hear of it, the same answers, then the server's end.
+func TestFrozenClientGetsEveryAnswerBeforeTheError(t *testing.T) {
+	t.Parallel()
+	e := v2StartEnv(t, []string{"frozen"})
+	ctx := v2Ctx(t)
+	for i, listening := range []bool{true, false} {
+		t.Run(fmt.Sprintf("listening %t", listening), func(t *testing.T) {
+			px, tok := e.a, int64(2*i+1)
+			if listening {
+				px = e.ah
+			}
+			s, err := v2Dial(v2Addr(px.Host, px.Port), v2Params("postgres", "frozen", tok))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer s.Close()
+			// A small receive buffer: most of the result stays on the
+			// proxy's side of the client connection and before it.
+			if tc, ok := s.conn.(*net.TCPConn); ok {
+				tc.SetReadBuffer(16 << 10) //nolint:errcheck
+			}
+			s.hold()
+			tag := fmt.Sprintf("frozen-%t", listening)
+			if err := s.send(v2Q("SELECT repeat('x', 1000) FROM generate_series(1, 6000)"),
+				v2Q(fmt.Sprintf("INSERT INTO public.v2_rows (resource, token, tag) VALUES ('frozen', %d, '%s')", tok, tag))); err != nil {
+				t.Fatal(err)
+			}
+			deadline := time.Now().Add(20 * time.Second)
+			for {
+				var n int
+				if err := e.admin.QueryRow(ctx, `SELECT count(*) FROM public.v2_rows WHERE tag = $1`, tag).Scan(&n); err != nil {
+					t.Fatal(err)
+				}
+				if n == 1 {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatal("the INSERT did not commit within 20 s: the result did not fit between the server and the client")
+				}
+				time.Sleep(10 * time.Millisecond)
+			}
+			if err := e.raise(ctx, "postgres", "frozen", tok+1); err != nil {
+				t.Fatal(err)
+			}
+			time.Sleep(1500 * time.Millisecond) // frozen a while longer
+			s.release()
+			msgs, err := s.untilRFQ(0, "ErrorResponse", 30*time.Second)
+			if err != nil {
+				t.Fatalf("%v after %d messages (last: %s)", err, len(msgs), v2Last(msgs))
+			}
+			// The client's next unit gets the error again (or finds the
+			// connection closed), and the connection ends.
+			s.send(v2Probe()...) //nolint:errcheck // closed, maybe
+			if rest, err := s.drain(10 * time.Second); err != nil {
+				t.Fatalf("after the error: %v (%d more messages)", err, len(rest))
+			}
+			var rows int
+			var tags []string
+			var fenceErr *pgproto3.ErrorResponse
+			for _, m := range msgs {
+				switch {
+				case m.Type == "DataRow":
+					rows++
+					if fenceErr != nil {
+						t.Fatalf("a DataRow after the error %s", fenceErr.Code)
+					}
+				case m.Type == "CommandComplete":
+					tags = append(tags, m.Text)
+				case m.Type == "ErrorResponse" && fenceErr == nil:
+					fenceErr = m.Err
+				}
+			}
+			if rows != 6000 || len(tags) != 2 || !strings.Contains(tags[1], "INSERT 0 1") {
+				t.Fatalf("the client read %d of 6000 rows and CommandCompletes %q (want the SELECT's and INSERT 0 1); end: %v; last: %s", rows, tags, s.end, v2Last(msgs))
+			}
+			switch {
+			case fenceErr == nil:
+				t.Fatalf("no error after the answers: the session ended silently (%v)", s.end)
+			case listening && fenceErr.Code != fence.CodeStale:
+				t.Fatalf("the listening proxy said %s %s, want ZF001", fenceErr.Code, fenceErr.Message)
+			case !listening && fenceErr.Code != fence.CodeStale && fenceErr.Code != wire.CodeAdminShutdown && fenceErr.Code != wire.CodeConnectionFailure:
+				t.Fatalf("the proxy said %s %s, want ZF001, 57P01 or 08006", fenceErr.Code, fenceErr.Message)
+			}
+		})
+	}
+}
+
+// TestBindGivenUpIsCancelled (second review, finding 06): a new leader's bind
+// whose raise waits for a stale backend that cannot exit (SIGSTOP) runs past
+// the login timeout: the client is told "login timeout", and the proxy cancels
+// the bind, so that its raise does not commit later, when nobody waits for it
+// (before the fix it committed once the stale backend was resumed).
+func TestBindGivenUpIsCancelled(t *testing.T) {
+	t.Parallel()
+	pg, admin := fencedDB(t)
+	p := fencedProxy(t, pg, func(c *proxy.Config) { c.LoginTimeout = 2 * time.Second })
+	old := connect(t, p.FenceURL("app", "postgres", "billing", 1))
+	pid := int(old.PgConn().PID())
+	if err := syscall.Kill(pid, syscall.SIGSTOP); err != nil {
+		t.Fatalf("SIGSTOP backend %d: %v", pid, err)
+	}
+	resumed := false
+	resume := func() {
+		if !resumed {
+			resumed = true
+			syscall.Kill(pid, syscall.SIGCONT) //nolint:errcheck
+		}
+	}
+	defer resume()
+	err := connectErr(p.FenceURL("app", "postgres", "billing", 2))
+	if err == nil || !strings.Contains(err.Error(), "login timeout") {
+		t.Fatalf("the new leader's session: %v, want the login timeout", err)
+	}
+	resume()
+	backendGone(t, admin, uint32(pid), 10*time.Second)
+	time.Sleep(500 * time.Millisecond) // time for a raise that was not cancelled to commit
+	if got := rvStored(t, admin, "billing"); got != 1 {
+		t.Fatalf("stored token %d after the bind was given up, want 1 (a raise nobody waited for committed)", got)
+	}
+	// The new leader's next attempt goes through.
+	connect(t, p.FenceURL("app", "postgres", "billing", 2))
+}
+
+// TestBindBackendTerminatedSaysSo (second review, finding 03): any session of
+// the application's role may pg_terminate_backend the backend of a new
+// leader's bind (PostgreSQL lets a role signal its own backends). The client
+// is told the server's 57P01 with a hint that nothing was bound, not
+// "fenceproxy lost the server while binding the session: EOF".
+func TestBindBackendTerminatedSaysSo(t *testing.T) {
+	t.Parallel()
+	pg, admin := fencedDB(t)
+	p := fencedProxy(t, pg)
+	old := connect(t, p.FenceURL("app", "postgres", "billing", 1))
+	// The raise of the next bind waits for this backend: stopped, it cannot exit.
+	pid := int(old.PgConn().PID())
+	if err := syscall.Kill(pid, syscall.SIGSTOP); err != nil {
+		t.Fatalf("SIGSTOP backend %d: %v", pid, err)
+	}
+	defer syscall.Kill(pid, syscall.SIGCONT) //nolint:errcheck
+	errc := make(chan error, 1)
+	go func() { errc <- connectErr(p.FenceURL("app", "postgres", "billing", 2)) }()
+	var binding int32
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		err := admin.QueryRow(ctxT(t), `SELECT pid FROM pg_stat_activity WHERE usename = 'app' AND query LIKE '%fence.bind%' AND state = 'active'`).Scan(&binding)
+		if err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no bind running within 10 s: %v", err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	killer := connect(t, pg.URL("app", "postgres"))
+	mustExec(t, killer, "SELECT pg_terminate_backend($1)", binding)
+	err := <-errc
+	wantCode(t, err, wire.CodeAdminShutdown)
+	if !strings.Contains(err.Error(), "terminating connection") {
+		t.Fatalf("%v: want the server's own message", err)
+	}
+	var pe *pgconn.PgError
+	if !errors.As(err, &pe) || !strings.Contains(pe.Hint, "nothing was bound") {
+		t.Fatalf("%v: want the proxy's hint that nothing was bound", err)
 	}
 }

@@ -92,14 +92,19 @@ func (r *Reader) Body() ([]byte, error) {
 	return b, nil
 }
 
-// ErrRead is wrapped by CopyBody's errors of reading (as opposed to writing w).
-var ErrRead = errors.New("wire: read")
+// ErrRead is wrapped by CopyBody's errors of reading (as opposed to writing w),
+// and ErrCut too by those that leave part of the message written to w.
+var (
+	ErrRead = errors.New("wire: read")
+	ErrCut  = errors.New("wire: message cut off")
+)
 
 // CopyBody writes the current message (header included) to w, streaming
 // the body. A message that fits the read buffer is read whole before anything
 // of it is written, so that a source that ends within it leaves no partial
 // message in w (the writer can still end its stream with an error message of
-// its own); a larger one is streamed. Errors of reading wrap ErrRead.
+// its own); a larger one is streamed. Errors of reading wrap ErrRead, and
+// ErrCut when part of the message is in w (nothing can follow it then).
 func (r *Reader) CopyBody(w *bufio.Writer) error {
 	if r.pending == r.n && r.n <= r.br.Size() {
 		b, err := r.br.Peek(r.n)
@@ -129,7 +134,7 @@ func (r *Reader) CopyBody(w *bufio.Writer) error {
 		}
 		b, err := r.br.Peek(chunk)
 		if err != nil {
-			return fmt.Errorf("%w: %w", ErrRead, unexpected(err))
+			return fmt.Errorf("%w: %w: %w", ErrRead, ErrCut, unexpected(err))
 		}
 		if _, err := w.Write(b); err != nil {
 			return err

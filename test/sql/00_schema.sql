@@ -4,7 +4,7 @@
 \ir _psql.psql
 
 BEGIN;
-SELECT plan(92);
+SELECT plan(93);
 \ir _helpers.psql
 
 -- A role with no grant of its own: it has exactly what PUBLIC has.
@@ -65,7 +65,7 @@ SELECT lives_ok($$INSERT INTO fence.keys (key) VALUES (sha256('fenceproxy pgTAP 
 SELECT throws_ok($$INSERT INTO fence.keys (id, key) VALUES (2, sha256('another key'::bytea))$$,
     '23514', NULL, 'fence.keys holds one row only (id 1)');
 
--- The functions: exactly these eleven; all but fence.mac (a plain expression that fence.bind's
+-- The functions: exactly these twelve; all but fence.mac (a plain expression that fence.bind's
 -- query inlines, which needs SECURITY INVOKER and no SET) SECURITY DEFINER with a pinned
 -- search_path.
 SELECT has_function('fence', 'bind', ARRAY['text', 'bigint', 'text']);
@@ -79,13 +79,14 @@ SELECT has_function('fence', 'mac', ARRAY['bytea', 'text', 'text', 'bigint', 'in
 SELECT has_function('fence', 'refuse_prepared', ARRAY['text', 'bigint']);
 SELECT has_function('fence', 'forget_exited', ARRAY['text']);
 SELECT has_function('fence', 'settled', ARRAY['text', 'bigint', 'text']);
+SELECT has_function('fence', 'notify', ARRAY['text', 'double precision']);
 SELECT function_returns('fence', 'bind', ARRAY['text', 'bigint', 'text'], 'bigint');
 SELECT function_returns('fence', 'raise', ARRAY['text', 'bigint', 'text'], 'bigint');
 SELECT function_returns('fence', 'reset', ARRAY['text', 'bigint'], 'bigint');
 SELECT function_returns('fence', 'settled', ARRAY['text', 'bigint', 'text'], 'bigint');
 SELECT function_returns('fence', 'proof', ARRAY['text', 'text', 'bigint', 'integer'], 'text');
-SELECT is((SELECT count(*) FROM pg_proc WHERE pronamespace = 'fence'::regnamespace), 11::bigint,
-    'the fence schema holds exactly eleven functions');
+SELECT is((SELECT count(*) FROM pg_proc WHERE pronamespace = 'fence'::regnamespace), 12::bigint,
+    'the fence schema holds exactly twelve functions');
 SELECT is(array_agg(p.oid::regprocedure::text ORDER BY p.oid::regprocedure::text), NULL,
     'every fence function is SECURITY DEFINER')
 FROM pg_proc AS p WHERE p.pronamespace = 'fence'::regnamespace AND NOT p.prosecdef

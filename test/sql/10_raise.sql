@@ -5,7 +5,7 @@
 \ir _psql.psql
 
 BEGIN;
-SELECT plan(52);
+SELECT plan(54);
 
 \ir _helpers.psql
 
@@ -100,6 +100,14 @@ SELECT pg_temp.raise('raiser', 'tap-raise-n', 12) \g /dev/null
 SELECT dblink_exec('raiser', 'ROLLBACK') \g /dev/null
 SELECT is(pg_temp.notifications('listener', 1, 0.2), '{}'::text[], 'a raise rolled back notifies nobody');
 SELECT is(pg_temp.stored('tap-raise-n'), 11::bigint, '... and is not stored');
+
+-- fence.notify skips the notification while the queue is fuller than its limit (0.5 in a raise):
+-- a full queue would fail the raise's commit. (Filling the real 8 GB queue takes minutes, so
+-- the limit is what is varied here.)
+SELECT * FROM dblink('raiser', $$SELECT fence.notify('tap-raise-q 1', 0)$$) AS t(x text) \g /dev/null
+SELECT is(pg_temp.notifications('listener', 1, 0.2), '{}'::text[], 'fence.notify over its limit notifies nobody');
+SELECT * FROM dblink('raiser', $$SELECT fence.notify('tap-raise-q 2', 1)$$) AS t(x text) \g /dev/null
+SELECT is(pg_temp.notifications('listener', 1, 5), ARRAY['fence_raise: tap-raise-q 2'], '... and under it notifies');
 
 -- fence.reset (by the owner): exactly the value, lower or not, and a notification saying so.
 SELECT is((SELECT previous FROM dblink('raiser', $$SELECT fence.reset('tap-raise-n', 2)$$) AS t(previous bigint)),

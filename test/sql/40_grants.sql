@@ -5,7 +5,7 @@
 \ir _psql.psql
 
 BEGIN;
-SELECT plan(34);
+SELECT plan(35);
 \ir _helpers.psql
 
 -- Hostile operators for the search_path test below: a stale token compares as not lower, and
@@ -59,6 +59,8 @@ SELECT throws_ok($$SELECT fence.raise_locked('tap-grants', 6)$$, '42501',
     'permission denied for function raise_locked', 'it may not call fence.raise_locked');
 SELECT throws_ok($$SELECT fence.reset('tap-grants', 1)$$, '42501',
     'permission denied for function reset', 'it may not call fence.reset');
+SELECT throws_ok($$SELECT fence.notify('tap-grants 999999')$$, '42501',
+    'permission denied for function notify', 'it may not call fence.notify');
 
 -- Nor write or lock the tokens or the bindings.
 SELECT throws_ok($$UPDATE fence.tokens SET token = 1 WHERE resource = 'tap-grants'$$, '42501',
