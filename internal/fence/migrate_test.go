@@ -204,7 +204,7 @@ func waitBlockedBy(t *testing.T, conn *pgx.Conn, pid uint32) uint32 {
 }
 
 // allVersions are the embedded migrations, in order.
-var allVersions = []int64{1, 2, 3, 4}
+var allVersions = []int64{1, 2, 3, 4, 5}
 
 func TestMigrate(t *testing.T) {
 	c := startSchemaCluster(t)
