@@ -79,7 +79,7 @@ func ExampleRunLocked() {
 		log.Fatal(err)
 	}
 	err = lease.RunLocked(context.Background(), lease.RunConfig{
-		Client:      client,
+		Store:       &lease.ConsulStore{Client: client},
 		Resource:    "billing",
 		Command:     []string{"./billing"},
 		DatabaseURL: "postgres://app@127.0.0.1:6432/app",
