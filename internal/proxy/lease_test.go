@@ -4,6 +4,8 @@ import (
 	"strings"
 	"testing"
 
+	dto "github.com/prometheus/client_model/go"
+
 	"github.com/fenceproxy/fenceproxy/internal/fence"
 )
 
@@ -42,6 +44,10 @@ func TestLeaseTokens(t *testing.T) {
 	}
 	if got := stored(); got != int(g) {
 		t.Fatalf("stored token %d after the made-up tokens, want %d", got, g)
+	}
+	var m dto.Metric
+	if err := px.Metrics.Rejections.WithLabelValues(fence.CodeNotIssued).Write(&m); err != nil || m.GetCounter().GetValue() != 2 {
+		t.Errorf("fenceproxy_rejections_total{sqlstate=ZF002} = %v (%v), want 2", m.GetCounter().GetValue(), err)
 	}
 	mustExec(t, leader, "INSERT INTO items (tag, token) VALUES ('leader', $1)", g) // still leads
 
