@@ -287,21 +287,26 @@ func (l *pgLease) describe() string {
 	}
 }
 
-// Release stops renewing, releases the lease when it is still held, and closes the
-// connections.
+// Release stops renewing, releases the lease, and closes the connections. A lease this side
+// counts as lost may still be ours in the database (lost to the local deadline, which comes
+// first): it is released all the same, so that the next holder need not wait for the expiry.
+// The database releases only for this holder and generation, so a lease another holder took
+// over is left alone.
 func (l *pgLease) Release(ctx context.Context) error {
 	l.stop()
 	<-l.stopped
 	defer l.pool.Close()
-	if l.Err() != nil {
-		return nil // lost: nothing of ours to release
+	defer l.finish(ErrReleased)
+	if errors.Is(l.Err(), ErrReleased) {
+		return nil
 	}
 	var ok bool
 	if err := l.pool.QueryRow(ctx, releaseQuery, l.resource, l.holder, l.token).Scan(&ok); err != nil {
+		if l.Err() != nil {
+			return nil // lost already; it expires on its own
+		}
 		// It expires on its own TTL after the last renewal.
-		l.finish(ErrReleased)
 		return fmt.Errorf("lease: release %s: %w", leaseKey(l.resource), err)
 	}
-	l.finish(ErrReleased)
 	return nil
 }

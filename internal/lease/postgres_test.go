@@ -316,7 +316,8 @@ func TestPostgresLeaseRace(t *testing.T) {
 }
 
 // TestPostgresLeaseDatabaseDown: a holder that cannot reach the database counts its lease
-// lost one TTL after its last successful renewal, without the database's word.
+// lost one TTL after its last successful renewal, without the database's word; once the
+// database is back, Release frees the row.
 func TestPostgresLeaseDatabaseDown(t *testing.T) {
 	t.Parallel()
 	pg, url := leaseDB(t)
@@ -331,7 +332,17 @@ func TestPostgresLeaseDatabaseDown(t *testing.T) {
 	if err := l.Err(); !errors.Is(err, lease.ErrLockLost) || !strings.Contains(err.Error(), "not renewed within its TTL") {
 		t.Errorf("Err = %v, want ErrLockLost: not renewed within its TTL", err)
 	}
+	// Once the database is back, Release frees the row the holder lost track of.
 	pg.Start(t)
+	if err := l.Release(context.Background()); err != nil {
+		t.Fatalf("Release: %v", err)
+	}
+	if r := readLease(t, testenv.Connect(t, url), "down"); r.holder != nil {
+		t.Errorf("lease row after Release: held by %q, want free", *r.holder)
+	}
+	if !errors.Is(l.Err(), lease.ErrLockLost) {
+		t.Errorf("Err after Release = %v, want still ErrLockLost", l.Err())
+	}
 }
 
 // runPGHolder is the frozen holder of TestPostgresLeaseFrozenHolder, in a process of its
