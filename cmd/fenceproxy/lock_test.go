@@ -123,6 +123,21 @@ func TestLockPostgres(t *testing.T) {
 		}
 	})
 
+	t.Run("a database without the lease fails at once", func(t *testing.T) {
+		pg.Exec(t, "CREATE DATABASE bare")
+		bare := pg.URLWithPassword(testenv.AdminUser, testenv.AdminPassword, "bare")
+		ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+		defer cancel()
+		started := time.Now()
+		out, err := exec.CommandContext(ctx, bin, "lock", "--store", "postgres", "--database", bare,
+			"--resource", "billing", "--", "true").CombinedOutput()
+		var ee *exec.ExitError
+		if !errors.As(err, &ee) || ee.ExitCode() != 1 || !strings.Contains(string(out), "campaign refused") ||
+			!strings.Contains(string(out), "run fenceproxy migrate") {
+			t.Errorf("lock on a database without migration 5: %v after %v\n%s", err, time.Since(started), out)
+		}
+	})
+
 	t.Run("--store postgres needs --database", func(t *testing.T) {
 		out, err := exec.Command(bin, "lock", "--store", "postgres", "--resource", "billing", "--", "true").CombinedOutput()
 		if err == nil || !strings.Contains(string(out), "needs --database") {

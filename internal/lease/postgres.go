@@ -35,8 +35,9 @@ type PostgresStore struct {
 	URL string
 	// TTL is the lease's time to live, 1 s to 24 h; default DefaultTTL.
 	TTL time.Duration
-	// Holder names this process in the lease row; default host:pid:random. Two stores with
-	// the same holder name would each re-acquire the other's lease: keep names unique.
+	// Holder names this process in the lease row; default host:pid:random, drawn anew for
+	// each Campaign. Two stores with the same holder name would each re-acquire the other's
+	// lease: keep names unique.
 	Holder string
 	// Logger (nil: no logs).
 	Logger *zap.Logger
@@ -53,23 +54,23 @@ const (
 
 // Campaign blocks until this store's holder holds resource's lease, polling every TTL/10 (at
 // most 1 s) while another holder has it. Database errors are logged and retried with backoff
-// until ctx ends; a refusal that retrying cannot change (a malformed argument, a schema without
-// migration 5, a role without EXECUTE) is returned.
+// until ctx ends; a refusal that retrying cannot change (a malformed argument or TTL, a schema
+// without migration 5, a role without EXECUTE, failed authentication) is returned wrapping
+// ErrRefused.
 func (p *PostgresStore) Campaign(ctx context.Context, resource string) (Lease, error) {
 	ttl := p.TTL
 	if ttl == 0 {
 		ttl = DefaultTTL
 	}
 	if ttl < time.Second || ttl > 24*time.Hour {
-		return nil, fmt.Errorf("lease: postgres lease TTL %v: want 1s to 24h", ttl)
+		return nil, fmt.Errorf("lease: %w: postgres lease TTL %v: want 1s to 24h", ErrRefused, ttl)
 	}
 	holder := p.Holder
 	if holder == "" {
-		h, err := defaultHolder()
-		if err != nil {
+		var err error
+		if holder, err = defaultHolder(); err != nil {
 			return nil, err
 		}
-		p.Holder, holder = h, h
 	}
 	log := p.Logger
 	if log == nil {
@@ -77,7 +78,7 @@ func (p *PostgresStore) Campaign(ctx context.Context, resource string) (Lease, e
 	}
 	cfg, err := pgxpool.ParseConfig(p.URL)
 	if err != nil {
-		return nil, fmt.Errorf("lease: postgres lease database: %w", err)
+		return nil, fmt.Errorf("lease: %w: postgres lease database: %w", ErrRefused, err)
 	}
 	// Two connections: a renewal never waits behind a release or a slow acquire.
 	cfg.MaxConns = 2
@@ -109,7 +110,11 @@ func (p *PostgresStore) Campaign(ctx context.Context, resource string) (Lease, e
 			continue
 		case err != nil && permanent(err):
 			pool.Close()
-			return nil, fmt.Errorf("lease: acquire %s: %w", leaseKey(resource), err)
+			hint := ""
+			if c := sqlState(err); c == "3F000" || c == "42883" {
+				hint = " (is the fence schema of this database at version 5? run fenceproxy migrate)"
+			}
+			return nil, fmt.Errorf("lease: %w: acquire %s: %w%s", ErrRefused, leaseKey(resource), err, hint)
 		case err != nil:
 			log.Warn("acquire postgres lease", zap.Error(err))
 			retry.wait(ctx)
@@ -139,11 +144,15 @@ func (p *PostgresStore) Campaign(ctx context.Context, resource string) (Lease, e
 }
 
 // permanent reports an error that retrying the same call cannot change: a refusal of the
-// arguments (ZF004), a missing function (42883: the schema is not at version 5) or a missing
-// privilege (42501).
+// arguments (ZF004), a missing schema or function (3F000, 42883: the fence schema is not at
+// version 5), a missing privilege (42501), failed authentication (28000, 28P01) or a missing
+// database (3D000).
 func permanent(err error) bool {
-	code := sqlState(err)
-	return code == "ZF004" || code == "42883" || code == "42501" || code == "3F000"
+	switch sqlState(err) {
+	case "ZF004", "3F000", "42883", "42501", "28000", "28P01", "3D000":
+		return true
+	}
+	return false
 }
 
 func sqlState(err error) string {

@@ -244,11 +244,11 @@ func TestPostgresLease(t *testing.T) {
 		t.Parallel()
 		ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
 		defer cancel()
-		if _, err := store("a", time.Second).Campaign(ctx, "Bad"); err == nil || !strings.Contains(err.Error(), "ZF004") {
-			t.Errorf("Campaign of a malformed resource: %v, want ZF004", err)
+		if _, err := store("a", time.Second).Campaign(ctx, "Bad"); !errors.Is(err, lease.ErrRefused) || !strings.Contains(err.Error(), "ZF004") {
+			t.Errorf("Campaign of a malformed resource: %v, want ErrRefused with ZF004", err)
 		}
-		if _, err := store("a", 500*time.Millisecond).Campaign(ctx, "short"); err == nil {
-			t.Error("Campaign with a TTL below 1 s succeeded")
+		if _, err := store("a", 500*time.Millisecond).Campaign(ctx, "short"); !errors.Is(err, lease.ErrRefused) {
+			t.Errorf("Campaign with a TTL below 1 s: %v, want ErrRefused", err)
 		}
 	})
 }

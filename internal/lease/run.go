@@ -80,8 +80,9 @@ type RunConfig struct {
 //     and SIGKILL after Grace, and once it has exited the lock is released and the
 //     child's status returned as above.
 //
-// Store errors while campaigning are retried with backoff until ctx ends; ctx ending
-// before the lease is won returns ctx's error, wrapped.
+// Store errors while campaigning are retried with backoff until ctx ends, except a refusal
+// that retrying cannot change (ErrRefused), which is returned; ctx ending before the lease is
+// won returns ctx's error, wrapped.
 //
 // The child runs in its own process group, so a terminal's ^C reaches RunLocked (which
 // forwards it as described) and not the child directly; a child that reads a terminal
@@ -97,6 +98,9 @@ func RunLocked(ctx context.Context, cfg RunConfig) error {
 			return fmt.Errorf("lease: stopped before acquiring %q: %w", cfg.Resource, ctx.Err())
 		}
 		l, err := cfg.Store.Campaign(ctx, cfg.Resource)
+		if errors.Is(err, ErrRefused) {
+			return err
+		}
 		if err != nil {
 			if ctx.Err() == nil {
 				log.Warn("campaign failed", zap.Error(err))
