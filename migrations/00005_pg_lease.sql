@@ -41,12 +41,17 @@
 --  (L4) Only the holder of the current generation renews or releases, and renewing needs an
 --       unexpired lease: an expired holder must acquire again and gets a new generation, so it
 --       can never extend a lease another process may have taken over in between.
---  (L5) Nobody forges a generation. fence.leases is written only by these SECURITY DEFINER
---       functions (no INSERT, UPDATE, DELETE or TRUNCATE privilege is granted; SELECT is, like
---       fence.tokens), whose search_path is pinned and whose every name is schema-qualified. A
---       role that may campaign (EXECUTE on fence.lease_acquire) moves a generation only by one,
---       only by winning the lease, and only for itself. The TTL is bounded (1 s to 24 h): a
---       caller cannot hold a lease for ever either.
+--  (L5) Nobody forges a generation, and client SQL does not move the stored token.
+--       fence.leases is written only by these SECURITY DEFINER functions (no INSERT, UPDATE,
+--       DELETE or TRUNCATE privilege is granted; SELECT is, like fence.tokens), whose
+--       search_path is pinned and whose every name is schema-qualified. They are not executable
+--       by PUBLIC: an acquisition raises the stored token (L2), so a role that may call
+--       fence.lease_acquire could, whenever the lease is free, take it for up to a day and keep
+--       every real leader out that long; or hold an acquisition's transaction open and stall
+--       the resource's binds on its row locks. The operator grants EXECUTE to the role that
+--       `fenceproxy lock --store postgres` logs in as, never to application roles. Even that
+--       role moves a generation only by one, only by winning the lease, and only for itself.
+--       The TTL is bounded (1 s to 24 h).
 --  (L6) A token no acquisition issued is never admitted: fence.bind refuses a token above the
 --       lease's generation (ZF002) before anything is raised, so a client that makes up a
 --       token through the proxy cannot raise the stored token and lock every real leader out.
@@ -55,10 +60,11 @@
 --       on until a takeover's raise ends them (L2). Resources without a lease row (Consul's) are
 --       checked as before.
 --
--- Who may campaign: EXECUTE on the three lease functions is granted to PUBLIC, like fence.bind:
--- campaigning is what every replica does, and a campaign cannot forge a token (L5). To restrict
--- it, REVOKE EXECUTE ... FROM PUBLIC and grant it to the roles `fenceproxy lock` logs in as. The
--- holder name is not a secret: a role that may campaign can release or renew a lease in another
+-- Who may campaign: the roles granted EXECUTE on the three lease functions (L5), e.g.
+--   GRANT EXECUTE ON FUNCTION fence.lease_acquire(text, text, interval),
+--       fence.lease_renew(text, text, bigint, interval), fence.lease_release(text, text, bigint)
+--       TO billing_lock;
+-- The holder name is not a secret: such a role can release or renew a lease in another
 -- holder's name, which forces a failover (a higher generation, the old holder fenced) but never
 -- lets two holders share a token.
 
@@ -221,10 +227,9 @@ END
 $fn$;
 -- +goose StatementEnd
 
+-- (L5) Only the roles an operator grants EXECUTE to may campaign.
 REVOKE ALL ON FUNCTION fence.lease_acquire(text, text, interval), fence.lease_renew(text, text, bigint, interval),
     fence.lease_release(text, text, bigint) FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION fence.lease_acquire(text, text, interval), fence.lease_renew(text, text, bigint, interval),
-    fence.lease_release(text, text, bigint) TO PUBLIC;
 
 -- fence.bind: version 4's, with the lease check (L6) before anything is raised. Its proof
 -- obligations (P1-P7) are migration 4's.

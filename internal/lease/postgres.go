@@ -111,8 +111,11 @@ func (p *PostgresStore) Campaign(ctx context.Context, resource string) (Lease, e
 		case err != nil && permanent(err):
 			pool.Close()
 			hint := ""
-			if c := sqlState(err); c == "3F000" || c == "42883" {
+			switch sqlState(err) {
+			case "3F000", "42883":
 				hint = " (is the fence schema of this database at version 5? run fenceproxy migrate)"
+			case "42501":
+				hint = " (grant this role EXECUTE on fence.lease_acquire, fence.lease_renew and fence.lease_release: README, The PostgreSQL lease)"
 			}
 			return nil, fmt.Errorf("lease: %w: acquire %s: %w%s", ErrRefused, leaseKey(resource), err, hint)
 		case err != nil:

@@ -156,8 +156,8 @@ SELECT is((SELECT relpersistence::text FROM pg_class WHERE oid = 'fence.bindings
     'fence.bindings is UNLOGGED: a binding means nothing once its backend is gone, and no backend outlives a crash');
 SELECT is((SELECT relpersistence::text FROM pg_class WHERE oid = 'fence.tokens'::regclass), 'p',
     'fence.tokens is logged: an admitted token survives a crash');
-SELECT is(array_agg(p.proname::text ORDER BY p.proname), ARRAY['bind', 'lease_acquire', 'lease_release', 'lease_renew', 'raise', 'settled'],
-    'PUBLIC may execute exactly fence.bind, fence.raise and fence.settled (each needs the proxy''s proof) and the lease functions (which cannot forge a generation)')
+SELECT is(array_agg(p.proname::text ORDER BY p.proname), ARRAY['bind', 'raise', 'settled'],
+    'PUBLIC may execute exactly fence.bind, fence.raise and fence.settled (each needs the proxy''s proof)')
 FROM pg_proc AS p
 WHERE p.pronamespace = 'fence'::regnamespace AND has_function_privilege('tap_nobody', p.oid, 'EXECUTE');
 

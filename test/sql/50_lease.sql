@@ -1,23 +1,30 @@
 -- The PostgreSQL lease (migration 5): fence.leases written only through fence.lease_acquire,
--- fence.lease_renew and fence.lease_release, called here as the application role tap_lessee
--- (not a superuser, no grant of its own) in autocommit transactions of their own, as
--- `fenceproxy lock --store postgres` calls them; and fence.bind's check of lease tokens (L6).
+-- fence.lease_renew and fence.lease_release, called here as tap_locker (not a superuser, granted
+-- EXECUTE on them as the README says for the role of `fenceproxy lock --store postgres`) in
+-- autocommit transactions of their own, as `fenceproxy lock` calls them; what the application
+-- role tap_lessee (no grant of its own) may not do; and fence.bind's check of lease tokens (L6).
 \ir _psql.psql
 
 BEGIN;
-SELECT plan(54);
+SELECT plan(61);
 \ir _helpers.psql
 
 CREATE ROLE tap_nobody_lease NOLOGIN;
 SELECT pg_temp.store_key() \g /dev/null
 SELECT pg_temp.login_role('tap_lessee') \g /dev/null
+SELECT pg_temp.login_role('tap_locker') \g /dev/null
 SELECT pg_temp.connect('adm') \g /dev/null
+SELECT dblink_exec('adm', $$
+    GRANT EXECUTE ON FUNCTION fence.lease_acquire(text, text, interval), fence.lease_renew(text, text, bigint, interval),
+        fence.lease_release(text, text, bigint) TO tap_locker
+$$) \g /dev/null
 SELECT dblink_exec('adm', $$
     DELETE FROM fence.leases WHERE resource LIKE 'tap-lease%';
     DELETE FROM fence.tokens WHERE resource LIKE 'tap-lease%';
     DELETE FROM fence.bindings WHERE resource LIKE 'tap-lease%';
 $$) \g /dev/null
-SELECT pg_temp.connect('a', 'tap_lessee') \g /dev/null
+SELECT pg_temp.connect('a', 'tap_locker') \g /dev/null
+SELECT pg_temp.connect('app', 'tap_lessee') \g /dev/null
 
 -- fence.lease_acquire on conn as 'acquired generation holder' (f when refused).
 CREATE FUNCTION pg_temp.acquire(conn text, resource text, holder text, ttl text) RETURNS text LANGUAGE sql AS $$
@@ -43,6 +50,12 @@ SELECT col_type_is('fence', 'leases', 'expires_at', 'timestamp with time zone', 
 SELECT table_privs_are('fence', 'leases', 'tap_nobody_lease', ARRAY['SELECT'], 'PUBLIC may only read fence.leases');
 SELECT function_privs_are('fence', 'check_lease_args', ARRAY['text', 'text', 'interval'], 'tap_nobody_lease', ARRAY[]::text[],
     'PUBLIC may not execute fence.check_lease_args');
+SELECT function_privs_are('fence', 'lease_acquire', ARRAY['text', 'text', 'interval'], 'tap_nobody_lease', ARRAY[]::text[],
+    'PUBLIC may not execute fence.lease_acquire: an acquisition raises the stored token');
+SELECT function_privs_are('fence', 'lease_renew', ARRAY['text', 'text', 'bigint', 'interval'], 'tap_nobody_lease', ARRAY[]::text[],
+    'PUBLIC may not execute fence.lease_renew');
+SELECT function_privs_are('fence', 'lease_release', ARRAY['text', 'text', 'bigint'], 'tap_nobody_lease', ARRAY[]::text[],
+    'PUBLIC may not execute fence.lease_release');
 SELECT is(array_agg(p.proname::text ORDER BY p.proname), ARRAY['check_lease_args', 'lease_acquire', 'lease_release', 'lease_renew'],
     'the lease functions are SECURITY DEFINER with search_path pinned to pg_catalog, pg_temp')
 FROM pg_proc AS p WHERE p.pronamespace = 'fence'::regnamespace AND p.prosecdef
@@ -95,9 +108,16 @@ SELECT throws_ok($$SELECT pg_temp.renew('a', 'tap-lease', 'h2', 3, '48 hours')$$
 SELECT throws_ok($$SELECT pg_temp.acquire('a', 'tap-lease', '', '10 s')$$, 'ZF004', NULL, 'an empty holder is ZF004');
 SELECT throws_ok($$SELECT pg_temp.acquire('a', 'Tap', 'h1', '10 s')$$, 'ZF004', NULL, 'a malformed resource is ZF004');
 
--- Nobody forges a generation (L5): the application role cannot write the table.
+-- Nobody forges a generation (L5): the application role may not campaign, and no role but the
+-- owner may write the table, not even the lock role.
+SELECT throws_ok($$SELECT pg_temp.acquire('app', 'tap-lease-free', 'app', '24 hours')$$, '42501',
+    'permission denied for function lease_acquire', 'the application role may not acquire a lease (and so raise the token)');
+SELECT throws_ok($$SELECT pg_temp.renew('app', 'tap-lease', 'h2', 3, '10 s')$$, '42501', NULL, '... nor renew one');
+SELECT throws_ok($$SELECT pg_temp.release('app', 'tap-lease', 'h2', 3)$$, '42501', NULL, '... nor release one');
+SELECT throws_ok($$SELECT dblink_exec('app', 'UPDATE fence.leases SET generation = 1000000 WHERE resource = ''tap-lease''')$$,
+    '42501', 'permission denied for table leases', 'nor update a generation');
 SELECT throws_ok($$SELECT dblink_exec('a', 'UPDATE fence.leases SET generation = 1000000 WHERE resource = ''tap-lease''')$$,
-    '42501', 'permission denied for table leases', 'it may not update a generation');
+    '42501', 'permission denied for table leases', 'the lock role may not update a generation either');
 SELECT throws_ok($$SELECT dblink_exec('a', 'INSERT INTO fence.leases (resource, generation) VALUES (''tap-lease-f'', 1000000)')$$,
     '42501', NULL, 'it may not insert a lease');
 SELECT throws_ok($$SELECT dblink_exec('a', 'DELETE FROM fence.leases')$$, '42501', NULL, 'it may not delete leases');
@@ -134,7 +154,12 @@ SELECT dblink_exec('adm', $$
     DELETE FROM fence.tokens WHERE resource LIKE 'tap-lease%';
     DELETE FROM fence.bindings WHERE resource LIKE 'tap-lease%';
 $$) \g /dev/null
+SELECT dblink_exec('adm', $$
+    REVOKE EXECUTE ON FUNCTION fence.lease_acquire(text, text, interval), fence.lease_renew(text, text, bigint, interval),
+        fence.lease_release(text, text, bigint) FROM tap_locker
+$$) \g /dev/null
 SELECT dblink_disconnect(c) FROM unnest(dblink_get_connections()) AS c \g /dev/null
 SELECT pg_temp.drop_login_role('tap_lessee') \g /dev/null
+SELECT pg_temp.drop_login_role('tap_locker') \g /dev/null
 SELECT * FROM finish();
 ROLLBACK;
