@@ -12,8 +12,12 @@ GOTESTFLAGS ?= -race -count=1 -timeout 15m
 
 all: build
 
+# The lease store of `make demo`: consul (default) or postgres (`make demo STORE=postgres`:
+# the PostgreSQL lease, nothing but PostgreSQL needed, no Consul build).
+STORE ?= consul
+
 deps:
-	bash scripts/deps.sh
+	DEPS_CONSUL=$(if $(filter postgres,$(STORE)),0,1) bash scripts/deps.sh
 
 build:
 	$(GO) build -o bin/fenceproxy ./cmd/fenceproxy
@@ -59,7 +63,7 @@ gen-long:
 		$(GO) test -race -count=1 -timeout 0 -v -run '^TestGeneratedSequences$$' ./internal/proxy/
 
 demo: deps build
-	bash scripts/demo.sh
+	DEMO_STORE=$(STORE) DEMO_DEPS=0 bash scripts/demo.sh
 
 bench: deps build
 	bash bench/bench.sh

@@ -126,7 +126,7 @@ BEGIN {
 	else if (ev == "finished")
 		out(t, who, token, "nothing pending: finished after " kv["charged"] " charge(s)")
 	else if (ev == "lost")
-		out(t, who, token, "fenceproxy lock: lost the lock (Consul ended its session): SIGTERM to billing")
+		out(t, who, token, "fenceproxy lock: lost the lock (its lease ended): SIGTERM to billing")
 	else if (ev == "raised")
 		out(t, who, "", "new lock holder in Consul: token " token " raised in the database")
 	else if (ev == "stale")

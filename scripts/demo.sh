@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # The billing-run demo, as real processes on loopback (`make demo` runs it).
 #
-# Three replicas of a billing scheduler (cmd/billing) elect a leader through a Consul lock,
+# Three replicas of a billing scheduler (cmd/billing) elect a leader through a Consul lock
+# (DEMO_STORE=consul, the default) or the PostgreSQL lease of the protected database itself
+# (DEMO_STORE=postgres, `make demo STORE=postgres`: nothing but PostgreSQL, no Consul build),
 # each under `fenceproxy lock`. The leader charges customers one transaction at a time. In the
 # middle of a charge the demo freezes the leader (SIGSTOP to its process groups, like a GC
-# pause or a VM freeze) for longer than its lease; Consul hands the lock to another replica,
+# pause or a VM freeze) for longer than its lease; the store hands the lease to another replica,
 # which resumes the run; then the demo wakes the old leader (SIGCONT), which still believes it
 # leads and tries to finish its charge.
 #
-#   1. through fenceproxy: the new leader's session start raises the token, which ends the old
+#   1. through fenceproxy: the new leader's token is raised (by the proxy when Consul shows the
+#      new holder, by the acquisition itself on the PostgreSQL lease), which ends the old
 #      leader's session (its uncommitted charge rolls back); the old leader's next statement is
 #      refused (SQLSTATE ZF001), every customer is charged exactly once;
 #   2. the same scenario straight to PostgreSQL: the old leader's charge commits, a customer is
@@ -25,11 +28,13 @@
 # the `postgres` OS user when the demo runs as root.
 #
 # Settings (environment variables; the defaults are the demo's):
+#   DEMO_STORE=consul          where the replicas win their lease: consul or postgres
 #   DEMO_CUSTOMERS=30          customers to charge in each run
 #   DEMO_TX_DELAY=300ms        pause inside each charge's transaction (BILLING_TX_DELAY)
 #   DEMO_STEP_DELAY=200ms      pause between two charges (BILLING_STEP_DELAY)
-#   DEMO_TTL=10s               Consul session TTL (10 s is Consul's minimum; it may take up to
-#                              2 x TTL before Consul hands the lock over)
+#   DEMO_TTL=10s               lease TTL (Consul: 10 s is its minimum, and it may take up to
+#                              2 x TTL before Consul hands the lock over; the PostgreSQL lease
+#                              expires TTL after its last renewal, 1 s at least)
 #   DEMO_CHARGES_BEFORE_FREEZE=3  charges by the first leader before it is frozen
 #   DEMO_CHARGES_AFTER_TAKEOVER=3 charges by the new leader before the old one is thawed
 #   DEMO_TIMEOUT=120           seconds allowed for each wait (takeover, end of the run)
@@ -37,7 +42,8 @@
 #   DEMO_DEPS=1                0: do not run scripts/deps.sh (the caller did)
 #   DEMO_BIN_DIR=bin           where fenceproxy and billing are built
 #   DEMO_KEEP=0                1: keep the temporary folder (logs) and print its path
-#   FENCEPROXY_CONSUL_BIN      Consul agent to use (default: scripts/build-consul.sh's)
+#   FENCEPROXY_CONSUL_BIN      Consul agent to use (default: scripts/build-consul.sh's; not
+#                              used with DEMO_STORE=postgres)
 #   FENCEPROXY_PG_BINDIR       PostgreSQL server binaries (default /usr/lib/postgresql/15/bin)
 #
 # Lines starting with "demo: service NAME:" show the exact command each service runs; the
@@ -45,6 +51,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+store=${DEMO_STORE:-consul}
 customers=${DEMO_CUSTOMERS:-30}
 tx_delay=${DEMO_TX_DELAY:-300ms}
 step_delay=${DEMO_STEP_DELAY:-200ms}
@@ -63,18 +70,21 @@ prog=demo
 now() { date -u +%Y-%m-%dT%H:%M:%S.%6NZ; }
 
 started=$SECONDS
+[[ $store == consul || $store == postgres ]] || die "DEMO_STORE=$store: want consul or postgres"
 
 # --- what the demo needs -----------------------------------------------------------------------
 
 if [[ ${DEMO_DEPS:-1} == 1 && -f scripts/deps.sh ]]; then
-	bash scripts/deps.sh
+	if [[ $store == consul ]]; then bash scripts/deps.sh; else DEPS_CONSUL=0 bash scripts/deps.sh; fi
 fi
 command -v go >/dev/null || die "go is not on PATH (run make deps)"
 for p in initdb postgres pg_isready psql; do
 	[[ -x $pg_bin/$p ]] || die "$pg_bin/$p not found: run make deps (or set FENCEPROXY_PG_BINDIR)"
 done
-consul=${FENCEPROXY_CONSUL_BIN:-$(bash scripts/build-consul.sh)}
-[[ -x $consul ]] || die "Consul agent $consul not found: run scripts/build-consul.sh"
+if [[ $store == consul ]]; then
+	consul=${FENCEPROXY_CONSUL_BIN:-$(bash scripts/build-consul.sh)}
+	[[ -x $consul ]] || die "Consul agent $consul not found: run scripts/build-consul.sh"
+fi
 
 mkdir -p "$bin_dir"
 bin_dir=$(cd "$bin_dir" && pwd)
@@ -222,18 +232,22 @@ sql() {
 	PGPASSWORD=postgres "$pg_bin/psql" -X -q -v ON_ERROR_STOP=1 -h 127.0.0.1 -p "$pg_port" -U postgres -d "$db" "$@"
 }
 
-say "Consul $("$consul" version | head -n1 | cut -d' ' -f2) on 127.0.0.1:$consul_port"
-start consul "$work/consul.log" "$work/consul.log" "$consul" agent -dev -node=fenceproxy-demo \
-	-bind=127.0.0.1 -client=127.0.0.1 -http-port="$consul_port" -dns-port=-1 -grpc-port=-1 \
-	-grpc-tls-port=-1 -serf-lan-port="$serf_lan_port" -serf-wan-port="$serf_wan_port" \
-	-server-port="$server_port" -log-level=warn -hcl 'disable_update_check = true'
-# Ready: it knows a leader, and a consistent read answers (404: no such key) rather than 500.
-consul_ready() {
-	alive consul "$work/consul.log" &&
-		[[ $(http_get "$consul_port" /v1/status/leader 2>/dev/null) == *'"127.0.0.1:'* ]] &&
-		[[ $(http_get "$consul_port" '/v1/kv/fenceproxy-demo?consistent' 2>/dev/null | head -n1) == *" 404 "* ]]
-}
-wait_for Consul 60 consul_ready
+if [[ $store == consul ]]; then
+	say "Consul $("$consul" version | head -n1 | cut -d' ' -f2) on 127.0.0.1:$consul_port"
+	start consul "$work/consul.log" "$work/consul.log" "$consul" agent -dev -node=fenceproxy-demo \
+		-bind=127.0.0.1 -client=127.0.0.1 -http-port="$consul_port" -dns-port=-1 -grpc-port=-1 \
+		-grpc-tls-port=-1 -serf-lan-port="$serf_lan_port" -serf-wan-port="$serf_wan_port" \
+		-server-port="$server_port" -log-level=warn -hcl 'disable_update_check = true'
+	# Ready: it knows a leader, and a consistent read answers (404: no such key) rather than 500.
+	consul_ready() {
+		alive consul "$work/consul.log" &&
+			[[ $(http_get "$consul_port" /v1/status/leader 2>/dev/null) == *'"127.0.0.1:'* ]] &&
+			[[ $(http_get "$consul_port" '/v1/kv/fenceproxy-demo?consistent' 2>/dev/null | head -n1) == *" 404 "* ]]
+	}
+	wait_for Consul 60 consul_ready
+else
+	say "no Consul: the replicas lead through the PostgreSQL lease (fence.leases in the protected database)"
+fi
 
 admin_url="postgres://postgres:postgres@127.0.0.1:$pg_port/billing?sslmode=disable"
 sql postgres -c 'CREATE DATABASE billing'
@@ -250,10 +264,17 @@ start migrate "$work/migrate.log" "$work/migrate.log" \
 wait "${service_pid[migrate]}" || die "fenceproxy migrate failed: $(cat "$work/migrate.log")"
 [[ -s $key_file ]] || die "fenceproxy migrate created no key file $key_file: $(cat "$work/migrate.log")"
 
+# With Consul the proxy validates each token against the lock (and raises a new holder's token
+# itself); with the PostgreSQL lease it needs no other service: the acquisition raises the
+# token, and fence.bind checks every token against the lease row.
+if [[ $store == consul ]]; then
+	proxy_resource=(--resource billing=locks/billing --key-file "$key_file" --consul-addr "127.0.0.1:$consul_port")
+else
+	proxy_resource=(--resource billing --key-file "$key_file")
+fi
 start fenceproxy "$work/fenceproxy.log" "$work/fenceproxy.log" \
 	fenceproxy serve --listen "127.0.0.1:$proxy_port" --upstream "postgres://127.0.0.1:$pg_port" \
-	--resource billing=locks/billing --key-file "$key_file" --consul-addr "127.0.0.1:$consul_port" \
-	--control-database "$admin_url" --log-format console
+	"${proxy_resource[@]}" --control-database "$admin_url" --log-format console
 proxy_ready() { alive fenceproxy "$work/fenceproxy.log" && listening "$proxy_port"; }
 wait_for fenceproxy 30 proxy_ready
 say "fenceproxy on 127.0.0.1:$proxy_port"
@@ -278,6 +299,7 @@ all_stopped() {
 }
 
 # scenario RUN DB DATABASE_URL KEY: runs the replicas to the end, freezing the leader on the way.
+# KEY is the Consul lock key; on the PostgreSQL lease, the lease row is in database DB.
 scenario() {
 	local run=$1 db=$2 url=$3 key=$4 dir=$work/$1 r i
 	mkdir -p "$dir"
@@ -285,13 +307,27 @@ scenario() {
 	[[ $db == billing ]] || sql postgres -c "CREATE DATABASE $db"
 	sql "$db" -v customers="$customers" -f demo/schema.sql
 	say "$run: $customers customers pending in database $db"
+	# The arguments of fenceproxy lock between --resource and --on-lost (with Consul, as
+	# docker-compose.yml has them).
+	local lease_args
+	if [[ $store == consul ]]; then
+		lease_args=(--key "$key" --consul-addr "127.0.0.1:$consul_port" --database-url "$url" --ttl "$ttl" --lock-delay 0s)
+	else
+		# The lease row lives in the database the replicas write to, reached directly (as the
+		# schema's owner here; any role with EXECUTE on the lease functions will do).
+		local lease_url="postgres://postgres:postgres@127.0.0.1:$pg_port/$db?sslmode=disable"
+		if [[ $db != billing ]]; then
+			fenceproxy migrate --database "$lease_url" >"$dir/migrate.log" 2>&1 ||
+				die "fenceproxy migrate of $db failed: $(cat "$dir/migrate.log")"
+		fi
+		lease_args=(--store postgres --database "$lease_url" --database-url "$url" --ttl "$ttl")
+	fi
 
 	local -A lock_pid=()
 	for r in "${replicas[@]}"; do
 		start "$run/$r" "$dir/$r.events" "$dir/$r.lock.log" \
 			BILLING_REPLICA="$r" BILLING_TX_DELAY="$tx_delay" BILLING_STEP_DELAY="$step_delay" \
-			fenceproxy lock --resource billing --key "$key" --consul-addr "127.0.0.1:$consul_port" \
-			--database-url "$url" --ttl "$ttl" --lock-delay 0s --on-lost retry --log-format console \
+			fenceproxy lock --resource billing "${lease_args[@]}" --on-lost retry --log-format console \
 			-- billing
 		lock_pid[$r]=${service_pid[$run/$r]}
 	done
@@ -338,8 +374,8 @@ scenario() {
 	event "$run" froze "who=$leader customer=$customer pids=$child,${lock_pid[$leader]}"
 	say "$run: froze $leader (SIGSTOP to process groups ${groups[*]}) with customer $customer's charge uncommitted"
 
-	# Consul invalidates the frozen leader's session after TTL to 2 x TTL; another replica
-	# takes the lock and resumes the run.
+	# Consul invalidates the frozen leader's session after TTL to 2 x TTL (the PostgreSQL lease
+	# expires TTL after its last renewal); another replica takes the lock and resumes the run.
 	new_leader_line() {
 		cat "$dir"/billing-*.events 2>/dev/null | grep ' event=started ' | grep -v " replica=$leader " | sort | head -n1
 	}
@@ -428,6 +464,7 @@ if [[ $unfenced == 1 ]]; then
 fi
 
 printf '\n== summary ==\n'
+printf 'lease store: %s\n' "$store"
 printf 'with fenceproxy (%s customers):\n' "${fenced[customers]}"
 printf 'customers charged: %s\n' "${fenced[charged]}"
 printf 'duplicates: %s\n' "${fenced[duplicates]}"

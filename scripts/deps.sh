@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what fenceproxy's build, tests, demo and benchmark need on Debian 12, then
-# downloads the Go modules (and builds the test Consul agent when that script exists).
+# downloads the Go modules (and builds the test Consul agent when that script exists, unless
+# DEPS_CONSUL=0).
 # Idempotent: when everything is present it only checks, in seconds, and needs no root.
 #
 # Installing postgresql-15 creates a system cluster (15/main) and pgbouncer a daemon on the
@@ -85,7 +86,8 @@ fi
 go mod download
 say "Go modules: downloaded ($(go version | cut -d' ' -f3))"
 
-if [ -f scripts/build-consul.sh ]; then
+# DEPS_CONSUL=0 (make demo STORE=postgres): nothing needs Consul, so it is not built.
+if [ "${DEPS_CONSUL:-1}" != 0 ] && [ -f scripts/build-consul.sh ]; then
   bash scripts/build-consul.sh
 fi
 say "done in $((SECONDS - started))s"

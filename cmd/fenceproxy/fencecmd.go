@@ -10,7 +10,7 @@ import (
 
 // FenceCmd groups operator tools on the stored tokens.
 type FenceCmd struct {
-	Show  FenceShowCmd  `cmd:"" help:"List the highest admitted token of every resource, and the live sessions bound to each token."`
+	Show  FenceShowCmd  `cmd:"" help:"List the highest admitted token of every resource, the live sessions bound to each token, and the PostgreSQL leases."`
 	Reset FenceResetCmd `cmd:"" help:"Set a resource's stored token, even lower (the way out after a Consul LockIndex regression)."`
 }
 
@@ -62,6 +62,28 @@ func (f *FenceShowCmd) Run(ctx context.Context) error {
 			return err
 		}
 		fmt.Printf("%-32s %20d  %d\n", r, t, n)
+	}
+	if err := rows.Err(); err != nil {
+		return err
+	}
+	rows.Close()
+	// The PostgreSQL leases (fenceproxy lock --store postgres), by the database's clock.
+	rows, err = conn.Query(ctx, `SELECT resource, generation, coalesce(holder, '-'),
+		CASE WHEN holder IS NULL THEN 'free' WHEN expires_at <= clock_timestamp() THEN 'expired'
+		     ELSE 'held, ' || (expires_at - clock_timestamp())::text || ' left' END
+		FROM fence.leases ORDER BY resource`)
+	if err != nil {
+		return err
+	}
+	defer rows.Close()
+	fmt.Printf("\n%-32s %20s  %s\n", "resource", "lease generation", "holder, state")
+	for rows.Next() {
+		var r, holder, state string
+		var g int64
+		if err := rows.Scan(&r, &g, &holder, &state); err != nil {
+			return err
+		}
+		fmt.Printf("%-32s %20d  %s, %s\n", r, g, holder, state)
 	}
 	return rows.Err()
 }

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"time"
 
 	"go.uber.org/zap"
@@ -9,20 +10,25 @@ import (
 	"github.com/fenceproxy/fenceproxy/internal/lease"
 )
 
-// LockCmd runs a command as the leader of a resource: `consul lock` with fencing. See
-// lease.RunLocked for what happens when the lock is lost or the command exits.
+// LockCmd runs a command as the leader of a resource: `consul lock` with fencing, on a
+// Consul lock or on the PostgreSQL lease. See lease.RunLocked for what happens when the
+// lease is lost or the command exits.
 type LockCmd struct {
 	Resource string `help:"Fenced resource to lead (as configured in the proxy), e.g. billing." required:"" env:"FENCEPROXY_RESOURCE"`
-	Key      string `help:"Consul lock key; default locks/<resource>." env:"FENCEPROXY_KEY"`
+	Store    string `help:"Where the lease is won: consul (a Consul lock, the default) or postgres (the lease row in fence.leases of --database; needs nothing but PostgreSQL)." enum:"consul,postgres" default:"consul" env:"FENCEPROXY_STORE"`
 
-	ConsulAddr   string `help:"Consul HTTP address (host:port or URL); default CONSUL_HTTP_ADDR, else 127.0.0.1:8500." name:"consul-addr" env:"FENCEPROXY_CONSUL_ADDR"`
+	Key          string `help:"Consul lock key; default locks/<resource> (--store consul)." env:"FENCEPROXY_KEY"`
+	ConsulAddr   string `help:"Consul HTTP address (host:port or URL); default CONSUL_HTTP_ADDR, else 127.0.0.1:8500 (--store consul)." name:"consul-addr" env:"FENCEPROXY_CONSUL_ADDR"`
 	ConsulToken  string `help:"Consul ACL token (needs session write and key write on the lock key); default CONSUL_HTTP_TOKEN." name:"consul-token" env:"FENCEPROXY_CONSUL_TOKEN"`
 	ConsulCAFile string `help:"CA file to verify Consul's TLS certificate (implies https)." name:"consul-ca-file" type:"path" env:"FENCEPROXY_CONSUL_CA_FILE"`
 	ConsulScheme string `help:"http or https; default from --consul-addr." name:"consul-scheme" enum:",http,https" default:"" env:"FENCEPROXY_CONSUL_SCHEME"`
 
-	DatabaseURL string `help:"Base postgres:// URL (pointing at the proxy) that the command gets as DATABASE_URL, with the fence parameters added to its options (default: $DATABASE_URL). Empty: no DATABASE_URL, only FENCE_RESOURCE, FENCE_TOKEN, FENCE_SESSION, FENCE_KEY." name:"database-url" env:"FENCEPROXY_DATABASE_URL,DATABASE_URL"`
+	Database string `help:"The protected database, reached directly (not through the proxy), whose fence.leases holds the lease (--store postgres; schema version 5, fenceproxy migrate)." name:"database" env:"FENCEPROXY_DATABASE"`
+	Holder   string `help:"Holder name in the lease row; default host:pid:random (--store postgres)." env:"FENCEPROXY_HOLDER"`
 
-	TTL       time.Duration `help:"Consul session TTL (10s to 24h). Consul invalidates a silent holder after TTL to 2xTTL." name:"ttl" default:"10s" env:"FENCEPROXY_TTL"`
+	DatabaseURL string `help:"Base postgres:// URL (pointing at the proxy) that the command gets as DATABASE_URL, with the fence parameters added to its options (default: $DATABASE_URL). Empty: no DATABASE_URL, only FENCE_STORE, FENCE_RESOURCE, FENCE_TOKEN, FENCE_SESSION, FENCE_KEY." name:"database-url" env:"FENCEPROXY_DATABASE_URL,DATABASE_URL"`
+
+	TTL       time.Duration `help:"Lease TTL. Consul (10s to 24h) invalidates a silent holder after TTL to 2xTTL; the PostgreSQL lease (1s to 24h) expires TTL after its last renewal, by the database's clock." name:"ttl" default:"10s" env:"FENCEPROXY_TTL"`
 	LockDelay time.Duration `help:"Consul lock-delay after the holder's session is invalidated. 0 is safe with fencing: a stale leader's writes are refused by the database." name:"lock-delay" default:"0s" env:"FENCEPROXY_LOCK_DELAY"`
 	Grace     time.Duration `help:"After losing the lock: time between SIGTERM and SIGKILL to the command's process group." default:"10s" env:"FENCEPROXY_GRACE"`
 	OnLost    string        `help:"After losing the lock and stopping the command: retry (campaign again) or exit." name:"on-lost" enum:"retry,exit" default:"retry" env:"FENCEPROXY_ON_LOST"`
@@ -38,22 +44,33 @@ func (c *LockCmd) Run(ctx context.Context, log *zap.Logger) error {
 		// kong's passthrough keeps the separator.
 		command = command[1:]
 	}
-	client, err := lease.NewClient(lease.ConsulConfig{
-		Addr: c.ConsulAddr, Token: c.ConsulToken, CAFile: c.ConsulCAFile, Scheme: c.ConsulScheme,
-	})
+	store, err := c.store(log)
 	if err != nil {
 		return err
 	}
 	return lease.RunLocked(ctx, lease.RunConfig{
-		Client:      client,
+		Store:       store,
 		Resource:    c.Resource,
-		Key:         c.Key,
 		Command:     command,
 		DatabaseURL: c.DatabaseURL,
-		TTL:         c.TTL,
-		LockDelay:   c.LockDelay,
 		Grace:       c.Grace,
 		OnLost:      c.OnLost,
 		Logger:      log,
 	})
+}
+
+func (c *LockCmd) store(log *zap.Logger) (lease.Store, error) {
+	if c.Store == lease.StorePostgres {
+		if c.Database == "" {
+			return nil, errors.New("lock --store postgres needs --database: the protected database's URL, reached directly")
+		}
+		return &lease.PostgresStore{URL: c.Database, TTL: c.TTL, Holder: c.Holder, Logger: log}, nil
+	}
+	client, err := lease.NewClient(lease.ConsulConfig{
+		Addr: c.ConsulAddr, Token: c.ConsulToken, CAFile: c.ConsulCAFile, Scheme: c.ConsulScheme,
+	})
+	if err != nil {
+		return nil, err
+	}
+	return &lease.ConsulStore{Client: client, Key: c.Key, TTL: c.TTL, LockDelay: c.LockDelay, Logger: log}, nil
 }

@@ -5,6 +5,7 @@
 //	fenceproxy migrate --database postgres://admin@127.0.0.1:5432/app --key-file proxy.key
 //	fenceproxy serve   --listen 127.0.0.1:6432 --upstream postgres://127.0.0.1:5432 --resource billing --key-file proxy.key
 //	fenceproxy lock    --resource billing --database-url postgres://app@127.0.0.1:6432/app -- ./billing
+//	fenceproxy lock    --store postgres --database postgres://lock@127.0.0.1:5432/app --resource billing --database-url postgres://app@127.0.0.1:6432/app -- ./billing
 //
 // Every flag can also be set by an environment variable FENCEPROXY_<FLAG>
 // (for example FENCEPROXY_UPSTREAM) and in a JSON file given with --config
@@ -40,7 +41,7 @@ type cli struct {
 
 	Serve   ServeCmd   `cmd:"" help:"Run the proxy."`
 	Migrate MigrateCmd `cmd:"" help:"Install or upgrade the fence schema in a database."`
-	Lock    LockCmd    `cmd:"" help:"Run a command as the leader of a resource (Consul lock), with its fencing token in the environment."`
+	Lock    LockCmd    `cmd:"" help:"Run a command as the leader of a resource (a Consul lock, or the PostgreSQL lease with --store postgres), with its fencing token in the environment."`
 	Fence   FenceCmd   `cmd:"" help:"Inspect or reset stored fencing tokens (operator tools)."`
 	Version VersionCmd `cmd:"" help:"Print the version."`
 }

@@ -405,7 +405,13 @@ func TestFenceCommands(t *testing.T) {
 		return false
 	}
 
+	if _, err := admin.Exec(t.Context(), "SELECT * FROM fence.lease_acquire('leased', 'worker-1', '1 hour')"); err != nil {
+		t.Fatal(err)
+	}
 	out := run("show", "--database", pg.AdminURL())
+	if !hasLine(out, "leased", "1", "worker-1,", "held,") {
+		t.Fatalf("fence show does not list the lease:\n%s", out)
+	}
 	if !hasLine(out, "billing", "5") || !hasLine(out, "payroll", "2") {
 		t.Fatalf("fence show does not list the stored tokens:\n%s", out)
 	}

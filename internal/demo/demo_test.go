@@ -62,9 +62,10 @@ type demoRun struct {
 	keyFile  string            // the proxy key file of the local demo (composeKeyFile in compose)
 }
 
-// runDemo runs scripts/demo.sh with short timings and returns what it printed; the script
-// must exit 0 (it exits 1 when fencing let a duplicate through or rejected nothing).
-func runDemo(t *testing.T, customers int) *demoRun {
+// runDemo runs scripts/demo.sh with short timings (and env, VAR=VALUE, on top) and returns
+// what it printed; the script must exit 0 (it exits 1 when fencing let a duplicate through or
+// rejected nothing).
+func runDemo(t *testing.T, customers int, env ...string) *demoRun {
 	t.Helper()
 	root := repoRoot(t)
 	ctx, cancel := context.WithTimeout(context.Background(), demoTimeout)
@@ -82,6 +83,7 @@ func runDemo(t *testing.T, customers int) *demoRun {
 		"DEMO_CHARGES_AFTER_TAKEOVER=2",
 		"DEMO_TIMEOUT=90",
 	)
+	cmd.Env = append(cmd.Env, env...)
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out
 	// On timeout: SIGTERM, so that the script's trap stops everything it started.
@@ -141,48 +143,8 @@ func TestDemo(t *testing.T) {
 	r := runDemo(t, customers)
 	t.Logf("scripts/demo.sh output:\n%s", r.output)
 
-	t.Run("outcome", func(t *testing.T) {
-		for _, tc := range []struct {
-			line string
-			ok   func(n int) bool
-			want string
-		}{
-			{"customers charged", func(n int) bool { return n == customers }, fmt.Sprint(customers)},
-			{"duplicates", func(n int) bool { return n == 0 }, "0"},
-			{"stale writes rejected", func(n int) bool { return n >= 1 }, "at least 1"},
-			{"customers charged without fencing", func(n int) bool { return n == customers }, fmt.Sprint(customers)},
-			// The negative control: the same scenario without the proxy must charge
-			// somebody twice, or this test would pass without proving anything.
-			{"duplicates without fencing", func(n int) bool { return n >= 1 }, "at least 1"},
-			{"stale writes rejected without fencing", func(n int) bool { return n == 0 }, "0"},
-		} {
-			t.Run(tc.line, func(t *testing.T) {
-				n, ok := r.summary[tc.line]
-				if !ok {
-					t.Fatalf("no %q line in the summary", tc.line+": N")
-				}
-				if !tc.ok(n) {
-					t.Errorf("%s: %d, want %s", tc.line, n, tc.want)
-				}
-			})
-		}
-	})
-
-	t.Run("timeline", func(t *testing.T) {
-		for _, want := range []string{
-			"== timeline: fenced ==",
-			">>> froze billing-",
-			">>> woke billing-",
-			"REJECTED: customer ",
-			"ZF001 stale fencing token:",
-			"== timeline: direct ==",
-			"AGAIN: DUPLICATE",
-		} {
-			if !strings.Contains(r.output, want) {
-				t.Errorf("the output has no %q", want)
-			}
-		}
-	})
+	t.Run("outcome", func(t *testing.T) { wantOutcome(t, r, customers) })
+	t.Run("timeline", func(t *testing.T) { wantTimeline(t, r, "lease store: consul") })
 
 	t.Run("compose runs the same commands", func(t *testing.T) {
 		if r.keyFile == "" {
@@ -213,6 +175,69 @@ func TestDemo(t *testing.T) {
 			})
 		}
 	})
+}
+
+// TestDemoPostgresStore runs the demo on the PostgreSQL lease (`make demo STORE=postgres`):
+// no Consul at all, the same outcome.
+func TestDemoPostgresStore(t *testing.T) {
+	const customers = 12
+	r := runDemo(t, customers, "DEMO_STORE=postgres", "DEMO_TTL=3s", "FENCEPROXY_CONSUL_BIN=/nonexistent")
+	t.Logf("scripts/demo.sh output:\n%s", r.output)
+	t.Run("outcome", func(t *testing.T) { wantOutcome(t, r, customers) })
+	t.Run("timeline", func(t *testing.T) { wantTimeline(t, r, "lease store: postgres", "demo: no Consul:") })
+	t.Run("no Consul", func(t *testing.T) {
+		for name, cmd := range r.services {
+			if strings.Contains(cmd, "consul") {
+				t.Errorf("service %s mentions Consul: %s", name, cmd)
+			}
+		}
+	})
+}
+
+// wantTimeline checks that the output shows the scenario: the freeze, the refusal, the
+// duplicate without fencing, and the lines of extra.
+func wantTimeline(t *testing.T, r *demoRun, extra ...string) {
+	for _, want := range append([]string{
+		"== timeline: fenced ==",
+		">>> froze billing-",
+		">>> woke billing-",
+		"REJECTED: customer ",
+		"ZF001 stale fencing token:",
+		"== timeline: direct ==",
+		"AGAIN: DUPLICATE",
+	}, extra...) {
+		if !strings.Contains(r.output, want) {
+			t.Errorf("the output has no %q", want)
+		}
+	}
+}
+
+// wantOutcome checks the summary of a demo run with fencing and its negative control.
+func wantOutcome(t *testing.T, r *demoRun, customers int) {
+	for _, tc := range []struct {
+		line string
+		ok   func(n int) bool
+		want string
+	}{
+		{"customers charged", func(n int) bool { return n == customers }, fmt.Sprint(customers)},
+		{"duplicates", func(n int) bool { return n == 0 }, "0"},
+		{"stale writes rejected", func(n int) bool { return n >= 1 }, "at least 1"},
+		{"customers charged without fencing", func(n int) bool { return n == customers }, fmt.Sprint(customers)},
+		// The negative control: the same scenario without the proxy must charge
+		// somebody twice, or this test would pass without proving anything.
+		{"duplicates without fencing", func(n int) bool { return n >= 1 }, "at least 1"},
+		{"stale writes rejected without fencing", func(n int) bool { return n == 0 }, "0"},
+	} {
+		t.Run(tc.line, func(t *testing.T) {
+			n, ok := r.summary[tc.line]
+			if !ok {
+				t.Fatalf("no %q line in the summary", tc.line+": N")
+			}
+			if !tc.ok(n) {
+				t.Errorf("%s: %d, want %s", tc.line, n, tc.want)
+			}
+		})
+	}
 }
 
 // localCommand splits a command line the demo printed into its leading VAR=VALUE

@@ -204,7 +204,7 @@ func waitBlockedBy(t *testing.T, conn *pgx.Conn, pid uint32) uint32 {
 }
 
 // allVersions are the embedded migrations, in order.
-var allVersions = []int64{1, 2, 3, 4}
+var allVersions = []int64{1, 2, 3, 4, 5}
 
 func TestMigrate(t *testing.T) {
 	c := startSchemaCluster(t)
@@ -260,8 +260,8 @@ func TestMigrate(t *testing.T) {
 				t.Errorf("migration %d (%s) not applied", s.Version, s.Name)
 			}
 		}
-		if last := states[len(states)-1]; last.Version != 4 || last.Name != "00004_bind_sessions.sql" {
-			t.Errorf("last migration %+v, want 00004_bind_sessions.sql", last)
+		if last := states[len(states)-1]; last.Version != 5 || last.Name != "00005_pg_lease.sql" {
+			t.Errorf("last migration %+v, want 00005_pg_lease.sql", last)
 		}
 
 		// Without a stored key, fencing is unavailable (fail closed), whatever the proof.
@@ -575,8 +575,8 @@ func TestMigrateV4Upgrade(t *testing.T) {
 		case <-time.After(30 * time.Second):
 			t.Fatal("Migrate did not complete within 30 s of the checked transaction's end")
 		}
-		if r.err != nil || !slices.Equal(r.applied, []int64{4}) {
-			t.Fatalf("upgrade applied %v, %v; want [4]", r.applied, r.err)
+		if r.err != nil || !slices.Equal(r.applied, []int64{4, 5}) {
+			t.Fatalf("upgrade applied %v, %v; want [4 5]", r.applied, r.err)
 		}
 		select {
 		case err := <-lateDone:
@@ -628,8 +628,9 @@ func TestMigrateV4Upgrade(t *testing.T) {
 	})
 }
 
-// TestMigrateV4Down: version 4 cannot be migrated down; the attempt fails and leaves the
-// schema at version 4, fencing intact.
+// TestMigrateV4Down: version 5 (the lease) migrates down to version 4 and up again; version 4
+// cannot be migrated down: the attempt fails and leaves the schema at version 4, fencing
+// intact.
 func TestMigrateV4Down(t *testing.T) {
 	c := startSchemaCluster(t)
 	url := c.migratedDB(t)
@@ -650,18 +651,25 @@ func TestMigrateV4Down(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, s := range states {
-		if !s.Applied {
-			t.Errorf("after the failed down migration, %d (%s) is not applied", s.Version, s.Name)
+		if s.Applied != (s.Version <= 4) {
+			t.Errorf("after the failed down migration, %d (%s): applied %t, want %t", s.Version, s.Name, s.Applied, s.Version <= 4)
 		}
 	}
 	wantVersion4Objects(t, conn)
+	var leases bool
+	if err := conn.QueryRow(t.Context(), "SELECT to_regclass('fence.leases') IS NOT NULL").Scan(&leases); err != nil || leases {
+		t.Errorf("fence.leases after migrating version 5 down: exists %t, %v", leases, err)
+	}
 	if got := storedToken(t, conn, "billing"); got == nil || *got != 5 {
 		t.Fatalf("after the failed down migration the token is %v, want 5", got)
 	}
 	if got := mustBind(t, schemaConnect(t, url), "billing", 5); got != 5 {
 		t.Fatalf("bind after the failed down migration = %d", got)
 	}
-	if applied, err := fence.Migrate(t.Context(), url); err != nil || len(applied) != 0 {
-		t.Fatalf("Migrate after the failed down migration = %v, %v; want nothing to apply", applied, err)
+	if applied, err := fence.Migrate(t.Context(), url); err != nil || !slices.Equal(applied, []int64{5}) {
+		t.Fatalf("Migrate after the failed down migration = %v, %v; want [5]", applied, err)
+	}
+	if got := mustBind(t, schemaConnect(t, url), "billing", 5); got != 5 {
+		t.Fatalf("bind at version 5 again = %d", got)
 	}
 }

@@ -1,22 +1,33 @@
-// Package lease is the Consul side of fencing: it turns Consul locks into fencing tokens
-// and tells the proxy, from Consul itself, which token is current for each lock.
+// Package lease turns leases into fencing tokens: Consul locks and the PostgreSQL lease of
+// the fence schema (fence.leases), behind one interface, and tells the proxy, from Consul
+// itself, which Consul token is current.
 //
 // A Consul lock is a KV key acquired with a session. Its LockIndex goes up by one on every
 // successful acquisition and is the fencing token; (key, LockIndex, holder session) is
-// what Consul calls a sequencer. The package offers:
+// what Consul calls a sequencer. The PostgreSQL lease is a row per resource in the protected
+// database whose generation every acquisition increments and admits (migrations/00005); the
+// database's own bind checks its tokens, so the proxy needs no other service for it. The
+// package offers:
 //
-//   - Watcher: follows lock keys with consistent blocking queries and keeps, per key,
+//   - Lease and Store: one interface for every store (ctx first, Token, Done, Err, Release),
+//     implemented by ConsulStore and PostgresStore. RunLocked, `fenceproxy lock`, needs
+//     nothing else.
+//   - Watcher: follows Consul lock keys with consistent blocking queries and keeps, per key,
 //     the State (LockIndex, holder, CreateIndex, held or not, known or not), reports
 //     every change to a callback, and detects LockIndex regressions.
 //   - Validate and Watcher.Validate: the token check at session start, with one
 //     sentinel error per answer (ErrStale, ErrNotIssued, ErrNotHeld, ErrUnavailable,
 //     ErrRegression, ErrSessionMismatch) that the proxy maps to its SQLSTATEs.
-//   - NewSession, Acquire, Lock: campaigning, in the spirit of etcd's concurrency
+//   - NewSession, Acquire, Lock: campaigning on Consul, in the spirit of etcd's concurrency
 //     package: contexts everywhere, Done channels, and the token exposed (Lock.Token).
 //   - RunLocked: runs a command as the leader of a resource (`fenceproxy lock`).
 //
-// It owns talking to Consul and nothing else: it never touches PostgreSQL, and it logs
-// only through the *zap.Logger it is given.
+// It owns talking to the lease stores and nothing else: of PostgreSQL it only calls the
+// lease functions of the fence schema (never a bind or a raise: those are the proxy's), and
+// it logs only through the *zap.Logger it is given, naming the store (key `store`).
+//
+// The PostgreSQL lease's timing (renewals every TTL/3, lost TTL after the last renewal was
+// sent) is explained on PostgresStore; what follows is about Consul.
 //
 // # Consistency
 //

@@ -38,6 +38,10 @@ var (
 	ErrLockLost = errors.New("lock lost")
 	// ErrReleased: Lock.Err after Lock.Release.
 	ErrReleased = errors.New("lock released")
+	// ErrRefused: a Store refused a campaign for a reason that retrying cannot change (a
+	// malformed argument, a fence schema without the lease, a role without the privilege,
+	// failed authentication). RunLocked returns it instead of campaigning again.
+	ErrRefused = errors.New("campaign refused")
 )
 
 // TokenError is the answer of a token check that failed: which lock, which token, what

@@ -79,7 +79,7 @@ func ExampleRunLocked() {
 		log.Fatal(err)
 	}
 	err = lease.RunLocked(context.Background(), lease.RunConfig{
-		Client:      client,
+		Store:       &lease.ConsulStore{Client: client},
 		Resource:    "billing",
 		Command:     []string{"./billing"},
 		DatabaseURL: "postgres://app@127.0.0.1:6432/app",
@@ -89,4 +89,22 @@ func ExampleRunLocked() {
 	if errors.As(err, &exit) {
 		fmt.Println("billing exited with status", exit.Code)
 	}
+}
+
+// An application leads billing through the PostgreSQL lease of the protected database: no
+// Consul. (Not run: it needs a database with the fence schema.)
+func ExamplePostgresStore() {
+	store := &lease.PostgresStore{URL: "postgres://billing_lock@127.0.0.1:5432/app", TTL: 10 * time.Second}
+	l, err := store.Campaign(context.Background(), "billing")
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer l.Release(context.Background()) //nolint:errcheck // it expires on its own otherwise
+
+	// The generation is the token; the proxy's bind checks it against the lease row.
+	url, _ := lease.FencedURL("postgres://app@127.0.0.1:6432/app", "billing", l.Token(), "")
+	fmt.Println("leading with", url)
+
+	<-l.Done() // lost (taken over, expired, database unreachable past the TTL): stop working
+	fmt.Println("lost leadership:", l.Err())
 }

@@ -19,11 +19,15 @@ import (
 // waitTimeout bounds every wait for something Consul does at once (not TTL expiry).
 const waitTimeout = 15 * time.Second
 
-// TestMain doubles as the holder process of the freeze test: a lock holder in a
-// process of its own, that the test can SIGSTOP like a real stalled leader.
+// TestMain doubles as the holder process of the freeze tests: a lock holder (Consul, or the
+// PostgreSQL lease) in a process of its own, that the test can SIGSTOP like a real stalled
+// leader.
 func TestMain(m *testing.M) {
 	if os.Getenv("LEASE_TEST_HOLDER") != "" {
 		os.Exit(runHolder())
+	}
+	if os.Getenv("LEASE_TEST_PG_HOLDER") != "" {
+		os.Exit(runPGHolder())
 	}
 	os.Exit(m.Run())
 }

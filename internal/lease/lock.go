@@ -291,3 +291,67 @@ func (l *Lock) Release(ctx context.Context) error {
 	l.finish(ErrReleased)
 	return nil
 }
+
+// ConsulStore grants Consul locks (Store): each Campaign creates a session and acquires the
+// resource's key with it (NewSession, Acquire). Releasing one of its leases releases the key
+// and destroys the session.
+type ConsulStore struct {
+	Client *api.Client // required
+	// Key is the lock key; empty: "locks/" + the resource.
+	Key       string
+	TTL       time.Duration // session TTL; default DefaultTTL
+	LockDelay time.Duration // session lock-delay; default DefaultLockDelay (0)
+	Logger    *zap.Logger   // nil: no logs
+}
+
+// Name is StoreConsul.
+func (c *ConsulStore) Name() string { return StoreConsul }
+
+// Campaign creates a session and blocks until it holds the lock key (Acquire). The session
+// outlives ctx on purpose: a holder must be able to stop its work before the key is released,
+// which the lease's Release does.
+func (c *ConsulStore) Campaign(ctx context.Context, resource string) (Lease, error) {
+	if c.Client == nil {
+		return nil, errors.New("lease: ConsulStore: nil Consul client")
+	}
+	key := c.Key
+	if key == "" {
+		key = "locks/" + resource
+	}
+	log := c.Logger
+	if log == nil {
+		log = zap.NewNop()
+	}
+	ttl := c.TTL
+	if ttl == 0 {
+		ttl = DefaultTTL
+	}
+	sess, err := NewSession(context.WithoutCancel(ctx), c.Client,
+		WithTTL(ttl), WithLockDelay(c.LockDelay), WithLogger(log), WithName("fenceproxy lock "+resource))
+	if err != nil {
+		return nil, err
+	}
+	log.Info("campaigning", zap.String("store", StoreConsul), zap.String("session", sess.ID()), zap.String("key", key))
+	lock, err := Acquire(ctx, sess, key)
+	if err != nil {
+		closeSession(sess, log)
+		return nil, err
+	}
+	return &consulLease{Lock: lock, log: log}, nil
+}
+
+// consulLease is a Lock as a Lease: its Release also destroys the session.
+type consulLease struct {
+	*Lock
+	log *zap.Logger
+}
+
+func (l *consulLease) Store() string  { return StoreConsul }
+func (l *consulLease) Holder() string { return l.session.id }
+
+func (l *consulLease) Release(ctx context.Context) error {
+	err := l.Lock.Release(ctx)
+	// Destroying the session releases the key as well, should the release have failed.
+	closeSession(l.session, l.log)
+	return err
+}

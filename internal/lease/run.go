@@ -13,7 +13,6 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/hashicorp/consul/api"
 	"go.uber.org/zap"
 
 	"github.com/fenceproxy/fenceproxy/internal/wire"
@@ -30,6 +29,7 @@ const DefaultGrace = 10 * time.Second
 
 // Environment variables RunLocked gives the child.
 const (
+	EnvStore       = "FENCE_STORE"
 	EnvResource    = "FENCE_RESOURCE"
 	EnvToken       = "FENCE_TOKEN"
 	EnvSession     = "FENCE_SESSION"
@@ -39,20 +39,17 @@ const (
 
 // RunConfig configures RunLocked. Zero values mean the defaults.
 type RunConfig struct {
-	Client   *api.Client // required
-	Resource string      // required: the fenced resource, e.g. "billing"
-	Key      string      // the lock key; default "locks/" + Resource
-	Command  []string    // required: the program and its arguments
+	Store    Store    // required: where the lease is won (*ConsulStore, *PostgresStore)
+	Resource string   // required: the fenced resource, e.g. "billing"
+	Command  []string // required: the program and its arguments
 
 	// DatabaseURL is the base connection URL (postgres://...) the child gets as
 	// DATABASE_URL with the fence parameters added (see FencedURL). Empty: the child
 	// gets no DATABASE_URL from RunLocked (only the FENCE_* variables).
 	DatabaseURL string
 
-	TTL       time.Duration // session TTL; default DefaultTTL
-	LockDelay time.Duration // session lock-delay; default DefaultLockDelay (0)
-	Grace     time.Duration // SIGTERM to SIGKILL; default DefaultGrace
-	OnLost    string        // OnLostRetry (default) or OnLostExit
+	Grace  time.Duration // SIGTERM to SIGKILL; default DefaultGrace
+	OnLost string        // OnLostRetry (default) or OnLostExit
 
 	// Env is the child's base environment; nil means os.Environ(). The FENCE_* variables
 	// and DATABASE_URL replace any of the same name.
@@ -64,16 +61,17 @@ type RunConfig struct {
 	Logger *zap.Logger // nil: no logs
 }
 
-// RunLocked runs cfg.Command as the leader of cfg.Resource: it campaigns for the lock
-// key, then starts the command, in its own process group, with FENCE_RESOURCE,
-// FENCE_TOKEN (the LockIndex of this acquisition), FENCE_SESSION, FENCE_KEY and
-// DATABASE_URL in its environment.
+// RunLocked runs cfg.Command as the leader of cfg.Resource: it campaigns for the lease in
+// cfg.Store, then starts the command, in its own process group, with FENCE_STORE,
+// FENCE_RESOURCE, FENCE_TOKEN (the token of this acquisition: Consul's LockIndex, or the
+// PostgreSQL lease's generation), FENCE_SESSION (the holder: Consul's session ID, or the
+// lease row's holder name), FENCE_KEY and DATABASE_URL in its environment. It does not know
+// or care which store is behind cfg.Store: every store's Lease says when it is lost.
 //
 //   - The child exits: what it left running in its process group is stopped (SIGTERM,
-//     SIGKILL after Grace), then the lock is released (never before: a release while
-//     any of it still runs would let a new leader start next to it), the session
-//     destroyed, and RunLocked returns nil for status 0, else an *ExitError with the
-//     status.
+//     SIGKILL after Grace), then the lease is released (never before: a release while
+//     any of it still runs would let a new leader start next to it), and RunLocked
+//     returns nil for status 0, else an *ExitError with the status.
 //   - The lock is lost: the child's process group gets SIGTERM, then SIGKILL after
 //     Grace; then RunLocked campaigns again (OnLostRetry) or returns an error wrapping
 //     ErrLockLost (OnLostExit). Fencing, not this signal, is what keeps the old child's
@@ -82,8 +80,9 @@ type RunConfig struct {
 //     and SIGKILL after Grace, and once it has exited the lock is released and the
 //     child's status returned as above.
 //
-// Consul errors while campaigning are retried with backoff until ctx ends; ctx ending
-// before the lock is won returns ctx's error, wrapped.
+// Store errors while campaigning are retried with backoff until ctx ends, except a refusal
+// that retrying cannot change (ErrRefused), which is returned; ctx ending before the lease is
+// won returns ctx's error, wrapped.
 //
 // The child runs in its own process group, so a terminal's ^C reaches RunLocked (which
 // forwards it as described) and not the child directly; a child that reads a terminal
@@ -92,26 +91,17 @@ func RunLocked(ctx context.Context, cfg RunConfig) error {
 	if err := cfg.validate(); err != nil {
 		return err
 	}
-	log := cfg.Logger.With(zap.String("resource", cfg.Resource))
+	log := cfg.Logger.With(zap.String("resource", cfg.Resource), zap.String("store", cfg.Store.Name()))
 	retry := newBackoff(500*time.Millisecond, 10*time.Second)
 	for {
 		if ctx.Err() != nil {
-			return fmt.Errorf("lease: stopped before acquiring %q: %w", cfg.Key, ctx.Err())
+			return fmt.Errorf("lease: stopped before acquiring %q: %w", cfg.Resource, ctx.Err())
 		}
-		// The session outlives ctx on purpose: when ctx ends, the lock must stay held
-		// until the child has exited, so the session is closed explicitly below.
-		sess, err := NewSession(context.WithoutCancel(ctx), cfg.Client,
-			WithTTL(cfg.TTL), WithLockDelay(cfg.LockDelay), WithLogger(cfg.Logger),
-			WithName("fenceproxy lock "+cfg.Resource))
-		if err != nil {
-			log.Warn("create consul session", zap.Error(err))
-			retry.wait(ctx)
-			continue
+		l, err := cfg.Store.Campaign(ctx, cfg.Resource)
+		if errors.Is(err, ErrRefused) {
+			return err
 		}
-		log.Info("campaigning", zap.String("session", sess.ID()), zap.String("key", cfg.Key))
-		lock, err := Acquire(ctx, sess, cfg.Key)
 		if err != nil {
-			closeSession(sess, log)
 			if ctx.Err() == nil {
 				log.Warn("campaign failed", zap.Error(err))
 				retry.wait(ctx)
@@ -119,23 +109,23 @@ func RunLocked(ctx context.Context, cfg RunConfig) error {
 			continue
 		}
 		retry.reset()
-		log.Info("acquired lock", zap.Int64("token", lock.Token()), zap.String("session", sess.ID()))
+		log.Info("acquired lock", zap.Int64("token", l.Token()), zap.String("session", l.Holder()), zap.String("key", l.Key()))
 
-		lost, err := supervise(ctx, &cfg, lock, log)
+		lost, err := supervise(ctx, &cfg, l, log)
 		if !lost {
 			return err
 		}
-		closeSession(sess, log)
+		release(l, log)
 		if cfg.OnLost == OnLostExit {
-			return fmt.Errorf("lease: %s: lost leadership: %w", cfg.Resource, lock.Err())
+			return fmt.Errorf("lease: %s: lost leadership: %w", cfg.Resource, l.Err())
 		}
 		log.Info("campaigning again after lost leadership")
 	}
 }
 
 func (cfg *RunConfig) validate() error {
-	if cfg.Client == nil {
-		return errors.New("lease: RunLocked: nil Consul client")
+	if cfg.Store == nil {
+		return errors.New("lease: RunLocked: no Store")
 	}
 	if cfg.Resource == "" || strings.ContainsAny(cfg.Resource, " \t\r\n=\\") {
 		return fmt.Errorf("lease: RunLocked: invalid resource %q", cfg.Resource)
@@ -146,12 +136,6 @@ func (cfg *RunConfig) validate() error {
 	// Fail before campaigning, not after winning.
 	if _, err := exec.LookPath(cfg.Command[0]); err != nil {
 		return fmt.Errorf("lease: RunLocked: %w", err)
-	}
-	if cfg.Key == "" {
-		cfg.Key = "locks/" + cfg.Resource
-	}
-	if cfg.TTL == 0 {
-		cfg.TTL = DefaultTTL
 	}
 	if cfg.Grace <= 0 {
 		cfg.Grace = DefaultGrace
@@ -188,11 +172,10 @@ func (cfg *RunConfig) validate() error {
 
 // supervise runs the child while the lock is held. lost reports that it ended because the
 // lock was lost; otherwise err is the result of RunLocked and the lock was released.
-func supervise(ctx context.Context, cfg *RunConfig, lock *Lock, log *zap.Logger) (lost bool, err error) {
-	sess := lock.Session()
+func supervise(ctx context.Context, cfg *RunConfig, lock Lease, log *zap.Logger) (lost bool, err error) {
 	env, err := childEnv(cfg, lock)
 	if err != nil {
-		releaseAndClose(lock, log)
+		release(lock, log)
 		return false, err
 	}
 	cmd := exec.Command(cfg.Command[0], cfg.Command[1:]...)
@@ -205,10 +188,10 @@ func supervise(ctx context.Context, cfg *RunConfig, lock *Lock, log *zap.Logger)
 	// still be seen (and the leftovers stopped) within a second.
 	cmd.WaitDelay = time.Second
 	if err := cmd.Start(); err != nil {
-		releaseAndClose(lock, log)
+		release(lock, log)
 		return false, fmt.Errorf("lease: start %s: %w", cfg.Command[0], err)
 	}
-	log = log.With(zap.Int64("token", lock.Token()), zap.String("session", sess.ID()))
+	log = log.With(zap.Int64("token", lock.Token()), zap.String("session", lock.Holder()))
 	log.Info("child started", zap.Int("pid", cmd.Process.Pid))
 	exited := make(chan error, 1)
 	go func() { exited <- cmd.Wait() }()
@@ -222,7 +205,7 @@ func supervise(ctx context.Context, cfg *RunConfig, lock *Lock, log *zap.Logger)
 			log.Info("child exited; stopping what is left of its process group")
 			werr = stopGroup(pgid, nil, werr, cfg.Grace, log)
 		}
-		releaseAndClose(lock, log)
+		release(lock, log)
 		return false, exitResult(werr)
 	case <-lock.Done():
 		log.Warn("lost leadership: stopping child", zap.Error(lock.Err()))
@@ -231,7 +214,7 @@ func supervise(ctx context.Context, cfg *RunConfig, lock *Lock, log *zap.Logger)
 	case <-ctx.Done():
 		log.Info("stopping child", zap.Error(ctx.Err()))
 		werr := stopGroup(pgid, exited, nil, cfg.Grace, log)
-		releaseAndClose(lock, log)
+		release(lock, log)
 		return false, exitResult(werr)
 	}
 }
@@ -297,18 +280,17 @@ func exitResult(werr error) error {
 	return fmt.Errorf("lease: wait for child: %w", werr)
 }
 
-// releaseAndClose releases the lock and destroys the session on a fresh context (the
-// caller's may be over: this runs when the supervisor is stopping).
-func releaseAndClose(lock *Lock, log *zap.Logger) {
+// release releases the lease on a fresh context (the caller's may be over: this runs when
+// the supervisor is stopping).
+func release(l Lease, log *zap.Logger) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if err := lock.Release(ctx); err != nil {
-		// Closing the session below releases it as well.
+	held := l.Err() == nil
+	if err := l.Release(ctx); err != nil {
 		log.Warn("release lock", zap.Error(err))
-	} else {
+	} else if held {
 		log.Info("released lock")
 	}
-	closeSession(lock.Session(), log)
 }
 
 func closeSession(s *Session, log *zap.Logger) {
@@ -319,15 +301,22 @@ func closeSession(s *Session, log *zap.Logger) {
 	}
 }
 
-func childEnv(cfg *RunConfig, lock *Lock) ([]string, error) {
+func childEnv(cfg *RunConfig, lock Lease) ([]string, error) {
 	set := map[string]string{
+		EnvStore:    lock.Store(),
 		EnvResource: cfg.Resource,
 		EnvToken:    strconv.FormatInt(lock.Token(), 10),
-		EnvSession:  lock.Session().ID(),
+		EnvSession:  lock.Holder(),
 		EnvKey:      lock.Key(),
 	}
 	if cfg.DatabaseURL != "" {
-		u, err := FencedURL(cfg.DatabaseURL, cfg.Resource, lock.Token(), lock.Session().ID())
+		// fence.session is Consul's sequencer check in the proxy; the PostgreSQL lease's
+		// token is checked by the database itself (fence.bind), which needs no holder.
+		session := ""
+		if lock.Store() == StoreConsul {
+			session = lock.Holder()
+		}
+		u, err := FencedURL(cfg.DatabaseURL, cfg.Resource, lock.Token(), session)
 		if err != nil {
 			return nil, err
 		}
@@ -340,7 +329,7 @@ func childEnv(cfg *RunConfig, lock *Lock) ([]string, error) {
 			env = append(env, kv)
 		}
 	}
-	for _, name := range []string{EnvResource, EnvToken, EnvSession, EnvKey, EnvDatabaseURL} {
+	for _, name := range []string{EnvStore, EnvResource, EnvToken, EnvSession, EnvKey, EnvDatabaseURL} {
 		if v, ok := set[name]; ok {
 			env = append(env, name+"="+v)
 		}

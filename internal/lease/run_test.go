@@ -77,7 +77,7 @@ func TestRunLocked(t *testing.T) {
 	client := c.Client(t)
 	base := func(resource, dir string, script string) lease.RunConfig {
 		return lease.RunConfig{
-			Client:   client,
+			Store:    &lease.ConsulStore{Client: client},
 			Resource: resource,
 			Command:  []string{"/bin/sh", "-c", script},
 			Env:      []string{"PATH=" + os.Getenv("PATH"), "DIR=" + dir, "FENCE_TOKEN=stale-from-parent"},
@@ -279,11 +279,11 @@ func TestRunLocked(t *testing.T) {
 		t.Parallel()
 		for _, cfg := range []lease.RunConfig{
 			{Resource: "x", Command: []string{"true"}},
-			{Client: client, Command: []string{"true"}},
-			{Client: client, Resource: "x"},
-			{Client: client, Resource: "x", Command: []string{"true"}, OnLost: "later"},
-			{Client: client, Resource: "x", Command: []string{"true"}, DatabaseURL: "host=db dbname=app"},
-			{Client: client, Resource: "x", Command: []string{"no-such-command-here"}},
+			{Store: &lease.ConsulStore{Client: client}, Command: []string{"true"}},
+			{Store: &lease.ConsulStore{Client: client}, Resource: "x"},
+			{Store: &lease.ConsulStore{Client: client}, Resource: "x", Command: []string{"true"}, OnLost: "later"},
+			{Store: &lease.ConsulStore{Client: client}, Resource: "x", Command: []string{"true"}, DatabaseURL: "host=db dbname=app"},
+			{Store: &lease.ConsulStore{Client: client}, Resource: "x", Command: []string{"no-such-command-here"}},
 		} {
 			if err := lease.RunLocked(testCtx(t), cfg); err == nil {
 				t.Errorf("RunLocked(%+v) = nil", cfg)

@@ -21,6 +21,8 @@ import (
 // Admitter validates a session's credentials against an authority outside
 // the database (Consul) before the proxy binds the session. A nil Admitter
 // admits every well-formed token; the database's bind still orders them.
+// Tokens of the PostgreSQL lease need no Admitter: fence.bind itself checks
+// them against the lease row (migration 5), in the bind's own statement.
 type Admitter interface {
 	Admit(ctx context.Context, c fence.Credentials) error
 }

@@ -1,0 +1,147 @@
+package main_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/fenceproxy/fenceproxy/internal/proxy"
+	"github.com/fenceproxy/fenceproxy/internal/testenv"
+)
+
+// TestLockPostgres runs `fenceproxy lock --store postgres` end to end with nothing but
+// PostgreSQL and the proxy: the child gets its generation as FENCE_TOKEN and a DATABASE_URL
+// through the proxy, writes with it, and the lease is released when it exits; a lease taken
+// over while the child runs stops the child and, with --on-lost exit, the command.
+func TestLockPostgres(t *testing.T) {
+	bin := buildBinary(t)
+	pg := testenv.StartPostgres(t)
+	admin := pg.AdminURL()
+	testenv.Migrate(t, admin)
+	pg.Exec(t, "CREATE TABLE writes (token bigint NOT NULL, store text NOT NULL)")
+	px := testenv.StartProxy(t, pg, proxy.Config{Resources: []string{"billing"}, ControlDatabase: admin})
+	conn := testenv.Connect(t, admin)
+	env := append(os.Environ(), "PATH="+filepath.Dir(pg.Bin("psql"))+":"+os.Getenv("PATH"))
+
+	lock := func(ctx context.Context, dir, holder, script string) *exec.Cmd {
+		cmd := exec.CommandContext(ctx, bin, "lock", "--store", "postgres", "--database", admin,
+			"--resource", "billing", "--holder", holder, "--ttl", "2s", "--grace", "2s", "--on-lost", "exit",
+			"--database-url", px.URL(testenv.AdminUser, "postgres"), "--", "/bin/sh", "-c", script)
+		cmd.Env = append(env, "DIR="+dir)
+		return cmd
+	}
+
+	t.Run("the child writes with its generation; the lease is released after it exits", func(t *testing.T) {
+		dir := t.TempDir()
+		out, err := lock(t.Context(), dir, "one",
+			`psql "$DATABASE_URL" -X -q -v ON_ERROR_STOP=1 -c "INSERT INTO writes VALUES ($FENCE_TOKEN, '$FENCE_STORE')" && env > "$DIR/env"`).CombinedOutput()
+		if err != nil {
+			t.Fatalf("fenceproxy lock: %v\n%s", err, out)
+		}
+		b, _ := os.ReadFile(filepath.Join(dir, "env"))
+		childEnv := map[string]string{}
+		for _, line := range strings.Split(string(b), "\n") {
+			if k, v, ok := strings.Cut(line, "="); ok {
+				childEnv[k] = v
+			}
+		}
+		var generation int64
+		var holder *string
+		if err := conn.QueryRow(t.Context(), "SELECT generation, holder FROM fence.leases WHERE resource = 'billing'").Scan(&generation, &holder); err != nil {
+			t.Fatal(err)
+		}
+		if holder != nil {
+			t.Errorf("lease still held by %q after the child exited", *holder)
+		}
+		if childEnv["FENCE_TOKEN"] != strconv.FormatInt(generation, 10) || childEnv["FENCE_STORE"] != "postgres" ||
+			childEnv["FENCE_SESSION"] != "one" || childEnv["FENCE_KEY"] != "fence.leases/billing" {
+			t.Errorf("child env: FENCE_TOKEN=%q (generation %d) FENCE_STORE=%q FENCE_SESSION=%q FENCE_KEY=%q",
+				childEnv["FENCE_TOKEN"], generation, childEnv["FENCE_STORE"], childEnv["FENCE_SESSION"], childEnv["FENCE_KEY"])
+		}
+		if u := childEnv["DATABASE_URL"]; !strings.Contains(u, "fence.token%3D"+childEnv["FENCE_TOKEN"]) || strings.Contains(u, "fence.session") {
+			t.Errorf("DATABASE_URL %q: want fence.token=%s and no fence.session", u, childEnv["FENCE_TOKEN"])
+		}
+		var n int
+		if err := conn.QueryRow(t.Context(), "SELECT count(*) FROM writes WHERE token = $1 AND store = 'postgres'", generation).Scan(&n); err != nil || n != 1 {
+			t.Errorf("rows written with generation %d: %d, %v; want 1", generation, n, err)
+		}
+		if !strings.Contains(string(out), `"store":"postgres"`) {
+			t.Errorf("the logs do not name the store:\n%s", out)
+		}
+	})
+
+	t.Run("a takeover stops the child and the command", func(t *testing.T) {
+		dir := t.TempDir()
+		ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+		defer cancel()
+		cmd := lock(ctx, dir, "two", `echo $$ > "$DIR/pid"; exec sleep 60`)
+		var out bytes.Buffer
+		cmd.Stdout, cmd.Stderr = &out, &out
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		var pid int
+		deadline := time.Now().Add(20 * time.Second)
+		for pid == 0 && time.Now().Before(deadline) {
+			b, _ := os.ReadFile(filepath.Join(dir, "pid"))
+			pid, _ = strconv.Atoi(strings.TrimSpace(string(b)))
+			time.Sleep(20 * time.Millisecond)
+		}
+		if pid == 0 {
+			t.Fatalf("the child did not start:\n%s", out.String())
+		}
+		var generation int64
+		if err := conn.QueryRow(t.Context(), "SELECT generation FROM fence.leases WHERE resource = 'billing'").Scan(&generation); err != nil {
+			t.Fatal(err)
+		}
+		// Another process takes the lease over.
+		if _, err := conn.Exec(t.Context(), "SELECT fence.lease_release('billing', 'two', $1)", generation); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := conn.Exec(t.Context(), "SELECT * FROM fence.lease_acquire('billing', 'thief', '10 seconds')"); err != nil {
+			t.Fatal(err)
+		}
+		err := cmd.Wait()
+		var ee *exec.ExitError
+		if !errors.As(err, &ee) || ee.ExitCode() != 1 {
+			t.Fatalf("fenceproxy lock after the takeover: %v, want exit status 1\n%s", err, out.String())
+		}
+		if !strings.Contains(out.String(), "lost leadership") || !strings.Contains(out.String(), "taken over by thief") {
+			t.Errorf("the output does not say the lease was taken over:\n%s", out.String())
+		}
+		if syscall.Kill(pid, 0) == nil {
+			t.Errorf("child %d still running", pid)
+			_ = syscall.Kill(pid, syscall.SIGKILL)
+		}
+	})
+
+	t.Run("a database without the lease fails at once", func(t *testing.T) {
+		pg.Exec(t, "CREATE DATABASE bare")
+		bare := pg.URLWithPassword(testenv.AdminUser, testenv.AdminPassword, "bare")
+		ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+		defer cancel()
+		started := time.Now()
+		out, err := exec.CommandContext(ctx, bin, "lock", "--store", "postgres", "--database", bare,
+			"--resource", "billing", "--", "true").CombinedOutput()
+		var ee *exec.ExitError
+		if !errors.As(err, &ee) || ee.ExitCode() != 1 || !strings.Contains(string(out), "campaign refused") ||
+			!strings.Contains(string(out), "run fenceproxy migrate") {
+			t.Errorf("lock on a database without migration 5: %v after %v\n%s", err, time.Since(started), out)
+		}
+	})
+
+	t.Run("--store postgres needs --database", func(t *testing.T) {
+		out, err := exec.Command(bin, "lock", "--store", "postgres", "--resource", "billing", "--", "true").CombinedOutput()
+		if err == nil || !strings.Contains(string(out), "needs --database") {
+			t.Errorf("lock --store postgres without --database: %v\n%s", err, out)
+		}
+	})
+}

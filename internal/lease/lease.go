@@ -1,0 +1,41 @@
+package lease
+
+import "context"
+
+// Store names, as logs show them (the `store` key) and FENCE_STORE tells a child.
+const (
+	StoreConsul   = "consul"
+	StorePostgres = "postgres"
+)
+
+// Lease is a lease on one resource that a Store granted: whatever the store, the holder
+// learns its fencing token, when it lost the lease, and why. RunLocked needs nothing else.
+type Lease interface {
+	// Store is the name of the store that granted the lease (StoreConsul, StorePostgres).
+	Store() string
+	// Key is where the lease lives in its store: the Consul key, or "fence.leases/<resource>".
+	Key() string
+	// Holder is the holder's identity in the store: the Consul session ID, or the holder
+	// name of the PostgreSQL lease row.
+	Holder() string
+	// Token is the fencing token of this acquisition: Consul's LockIndex, or the lease row's
+	// generation. It never changes while the lease is held.
+	Token() int64
+	// Done is closed when the lease is lost or released; Err says which.
+	Done() <-chan struct{}
+	// Err is nil while the lease is held; after Done it wraps ErrLockLost (with what
+	// happened) or is ErrReleased.
+	Err() error
+	// Release gives the lease up (if it is still held) and frees what holding it took (the
+	// Consul session, the database connections). Call it once the lease's holder has
+	// stopped using the token, also after the lease was lost.
+	Release(ctx context.Context) error
+}
+
+// Store grants leases: Campaign blocks until the caller holds the lease of resource, or
+// ctx ends (ctx's error, wrapped). Errors of the store while campaigning are retried inside
+// Campaign when they may pass, and returned when they will not.
+type Store interface {
+	Name() string
+	Campaign(ctx context.Context, resource string) (Lease, error)
+}

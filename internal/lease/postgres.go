@@ -1,0 +1,324 @@
+package lease
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"os"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"go.uber.org/zap"
+)
+
+// PostgresStore grants the PostgreSQL lease of migration 5 (fence.leases in the protected
+// database, `fenceproxy lock --store postgres`): a row per resource with its holder, an
+// expiry decided by the database's clock and a generation, the fencing token, that every
+// acquisition increments and admits (fence.lease_acquire). No other service is needed: the
+// proxy's bind checks the token against the same row.
+//
+// Timing. The database expires a lease TTL after it last set its expiry, by its own clock;
+// this side counts the lease lost TTL after it SENT the request that set the expiry, which
+// is earlier (the clocks' offset does not matter, only that they tick at the same rate), so
+// a holder stops before any other process can take over. Renewals go out every TTL/3: a
+// renewal that fails (a connection lost, a slow server) is retried every TTL/10 (at most 1 s),
+// and two more renewals fit before the lease runs out. A renewal the database refuses (the
+// lease expired, was released, or another holder took it over) ends the lease at once, and so
+// does reaching the local deadline without a successful renewal, whatever the database says
+// later: a frozen holder that wakes up after TTL never believes it still leads.
+type PostgresStore struct {
+	// URL is the protected database, reached directly (not through the proxy): a
+	// postgres:// URL or keyword/value string, as pgx accepts. Required.
+	URL string
+	// TTL is the lease's time to live, 1 s to 24 h; default DefaultTTL.
+	TTL time.Duration
+	// Holder names this process in the lease row; default host:pid:random, drawn anew for
+	// each Campaign. Two stores with the same holder name would each re-acquire the other's
+	// lease: keep names unique.
+	Holder string
+	// Logger (nil: no logs).
+	Logger *zap.Logger
+}
+
+// Name is StorePostgres.
+func (p *PostgresStore) Name() string { return StorePostgres }
+
+const (
+	acquireQuery = "SELECT acquired, generation, coalesce(current_holder, '') FROM fence.lease_acquire($1, $2, $3)"
+	renewQuery   = "SELECT fence.lease_renew($1, $2, $3, $4)"
+	releaseQuery = "SELECT fence.lease_release($1, $2, $3)"
+)
+
+// Campaign blocks until this store's holder holds resource's lease, polling every TTL/10 (at
+// most 1 s) while another holder has it. Database errors are logged and retried with backoff
+// until ctx ends; a refusal that retrying cannot change (a malformed argument or TTL, a schema
+// without migration 5, a role without EXECUTE, failed authentication) is returned wrapping
+// ErrRefused.
+func (p *PostgresStore) Campaign(ctx context.Context, resource string) (Lease, error) {
+	ttl := p.TTL
+	if ttl == 0 {
+		ttl = DefaultTTL
+	}
+	if ttl < time.Second || ttl > 24*time.Hour {
+		return nil, fmt.Errorf("lease: %w: postgres lease TTL %v: want 1s to 24h", ErrRefused, ttl)
+	}
+	holder := p.Holder
+	if holder == "" {
+		var err error
+		if holder, err = defaultHolder(); err != nil {
+			return nil, err
+		}
+	}
+	log := p.Logger
+	if log == nil {
+		log = zap.NewNop()
+	}
+	cfg, err := pgxpool.ParseConfig(p.URL)
+	if err != nil {
+		return nil, fmt.Errorf("lease: %w: postgres lease database: %w", ErrRefused, err)
+	}
+	// Two connections: a renewal never waits behind a release or a slow acquire.
+	cfg.MaxConns = 2
+	if cfg.ConnConfig.RuntimeParams == nil {
+		cfg.ConnConfig.RuntimeParams = map[string]string{}
+	}
+	cfg.ConnConfig.RuntimeParams["application_name"] = "fenceproxy lock " + resource
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("lease: postgres lease database: %w", err)
+	}
+	log = log.With(zap.String("store", StorePostgres), zap.String("session", holder))
+	log.Info("campaigning", zap.String("key", leaseKey(resource)))
+	poll := min(ttl/10, time.Second)
+	retry := newBackoff(100*time.Millisecond, 2*time.Second)
+	var lastHolder string
+	for {
+		if err := ctx.Err(); err != nil {
+			pool.Close()
+			return nil, fmt.Errorf("lease: campaign for %s: %w", leaseKey(resource), err)
+		}
+		sent := time.Now()
+		var acquired bool
+		var generation int64
+		var current string
+		err := pool.QueryRow(ctx, acquireQuery, resource, holder, ttl).Scan(&acquired, &generation, &current)
+		switch {
+		case err != nil && ctx.Err() != nil:
+			continue
+		case err != nil && permanent(err):
+			pool.Close()
+			hint := ""
+			switch sqlState(err) {
+			case "3F000", "42883":
+				hint = " (is the fence schema of this database at version 5? run fenceproxy migrate)"
+			case "42501":
+				hint = " (grant this role EXECUTE on fence.lease_acquire, fence.lease_renew and fence.lease_release: README, The PostgreSQL lease)"
+			}
+			return nil, fmt.Errorf("lease: %w: acquire %s: %w%s", ErrRefused, leaseKey(resource), err, hint)
+		case err != nil:
+			log.Warn("acquire postgres lease", zap.Error(err))
+			retry.wait(ctx)
+			continue
+		case acquired:
+			l := &pgLease{
+				pool: pool, resource: resource, holder: holder, token: generation, ttl: ttl, log: log,
+				done: make(chan struct{}), stopped: make(chan struct{}),
+			}
+			rctx, stop := context.WithCancel(context.WithoutCancel(ctx))
+			l.stop = stop
+			go l.renew(rctx, sent.Add(ttl))
+			return l, nil
+		}
+		retry.reset()
+		if current != lastHolder {
+			log.Info("lease held by another holder; waiting", zap.String("holder", current), zap.Int64("generation", generation))
+			lastHolder = current
+		}
+		t := time.NewTimer(poll)
+		select {
+		case <-ctx.Done():
+		case <-t.C:
+		}
+		t.Stop()
+	}
+}
+
+// permanent reports an error that retrying the same call cannot change: a refusal of the
+// arguments (ZF004), a missing schema or function (3F000, 42883: the fence schema is not at
+// version 5), a missing privilege (42501), failed authentication (28000, 28P01) or a missing
+// database (3D000).
+func permanent(err error) bool {
+	switch sqlState(err) {
+	case "ZF004", "3F000", "42883", "42501", "28000", "28P01", "3D000":
+		return true
+	}
+	return false
+}
+
+func sqlState(err error) string {
+	var se interface{ SQLState() string }
+	if errors.As(err, &se) {
+		return se.SQLState()
+	}
+	return ""
+}
+
+func leaseKey(resource string) string { return "fence.leases/" + resource }
+
+func defaultHolder() (string, error) {
+	host, err := os.Hostname()
+	if err != nil || host == "" {
+		host = "unknown-host"
+	}
+	var b [4]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		return "", fmt.Errorf("lease: holder name: %w", err)
+	}
+	return fmt.Sprintf("%s:%d:%s", host, os.Getpid(), hex.EncodeToString(b[:])), nil
+}
+
+// pgLease is a held PostgreSQL lease.
+type pgLease struct {
+	pool     *pgxpool.Pool
+	resource string
+	holder   string
+	token    int64
+	ttl      time.Duration
+	log      *zap.Logger
+
+	done    chan struct{}
+	stop    context.CancelFunc // stops the renewer
+	stopped chan struct{}      // closed when the renewer returned
+	mu      sync.Mutex
+	err     error
+}
+
+func (l *pgLease) Store() string         { return StorePostgres }
+func (l *pgLease) Key() string           { return leaseKey(l.resource) }
+func (l *pgLease) Holder() string        { return l.holder }
+func (l *pgLease) Token() int64          { return l.token }
+func (l *pgLease) Done() <-chan struct{} { return l.done }
+
+func (l *pgLease) Err() error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.err
+}
+
+func (l *pgLease) finish(err error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.err == nil {
+		l.err = err
+		close(l.done)
+	}
+}
+
+func (l *pgLease) lost(format string, args ...any) {
+	err := fmt.Errorf("%w: %s generation %d: %s", ErrLockLost, leaseKey(l.resource), l.token, fmt.Sprintf(format, args...))
+	l.log.Warn("lock lost", zap.String("key", leaseKey(l.resource)), zap.Int64("token", l.token), zap.Error(err))
+	l.finish(err)
+}
+
+// renew keeps the lease until ctx ends or the lease is lost (see PostgresStore for the
+// timing). deadline is when this side counts the lease as expired.
+func (l *pgLease) renew(ctx context.Context, deadline time.Time) {
+	defer close(l.stopped)
+	interval := l.ttl / 3
+	retryEvery := min(l.ttl/10, time.Second)
+	next := time.Now().Add(interval)
+	var lastErr error
+	for {
+		wake := next
+		if deadline.Before(wake) {
+			wake = deadline
+		}
+		t := time.NewTimer(time.Until(wake))
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return
+		case <-t.C:
+		}
+		if !time.Now().Before(deadline) {
+			// Also the frozen holder's case: its timers fire when it wakes, past the
+			// deadline, and it stops before asking the database anything.
+			if lastErr != nil {
+				l.lost("not renewed within its TTL of %v: %v", l.ttl, lastErr)
+			} else {
+				l.lost("not renewed within its TTL of %v", l.ttl)
+			}
+			return
+		}
+		sent := time.Now()
+		rctx, cancel := context.WithDeadline(ctx, deadline)
+		var ok bool
+		err := l.pool.QueryRow(rctx, renewQuery, l.resource, l.holder, l.token, l.ttl).Scan(&ok)
+		cancel()
+		switch {
+		case ctx.Err() != nil:
+			return
+		case err != nil:
+			lastErr = err
+			l.log.Warn("renew postgres lease", zap.Error(err))
+			next = time.Now().Add(retryEvery)
+		case !ok:
+			l.lost("the database refused the renewal: %s", l.describe())
+			return
+		default:
+			lastErr = nil
+			deadline = sent.Add(l.ttl)
+			next = sent.Add(interval)
+		}
+	}
+}
+
+// describe says who holds the lease now, for the error of a refused renewal.
+func (l *pgLease) describe() string {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	var holder *string
+	var generation int64
+	var expired bool
+	err := l.pool.QueryRow(ctx, "SELECT holder, generation, coalesce(expires_at <= clock_timestamp(), true) FROM fence.leases WHERE resource = $1",
+		l.resource).Scan(&holder, &generation, &expired)
+	switch {
+	case err != nil:
+		return "the lease expired, was released or was taken over"
+	case generation != l.token && holder != nil:
+		return fmt.Sprintf("taken over by %s with generation %d", *holder, generation)
+	case generation != l.token:
+		return fmt.Sprintf("taken over with generation %d, released since", generation)
+	case holder == nil:
+		return "released"
+	default:
+		return "expired (by the database's clock)"
+	}
+}
+
+// Release stops renewing, releases the lease, and closes the connections. A lease this side
+// counts as lost may still be ours in the database (lost to the local deadline, which comes
+// first): it is released all the same, so that the next holder need not wait for the expiry.
+// The database releases only for this holder and generation, so a lease another holder took
+// over is left alone.
+func (l *pgLease) Release(ctx context.Context) error {
+	l.stop()
+	<-l.stopped
+	defer l.pool.Close()
+	defer l.finish(ErrReleased)
+	if errors.Is(l.Err(), ErrReleased) {
+		return nil
+	}
+	var ok bool
+	if err := l.pool.QueryRow(ctx, releaseQuery, l.resource, l.holder, l.token).Scan(&ok); err != nil {
+		if l.Err() != nil {
+			return nil // lost already; it expires on its own
+		}
+		// It expires on its own TTL after the last renewal.
+		return fmt.Errorf("lease: release %s: %w", leaseKey(l.resource), err)
+	}
+	return nil
+}
