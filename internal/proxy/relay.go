@@ -191,9 +191,11 @@ func (sess *session) endFencing(fe *fence.Error, answering bool) {
 // (relay drains what follows, so that the close resets nothing).
 func (sess *session) answerEnded(typ byte) error {
 	resp := sess.lingerResp.Load()
-	sess.client.SetWriteDeadline(time.Now().Add(time.Second)) //nolint:errcheck
 	errSent := false
 	for {
+		// Each answer gets its own second: the client may send its Sync
+		// long after the message that got the error.
+		sess.client.SetWriteDeadline(time.Now().Add(time.Second)) //nolint:errcheck
 		switch typ {
 		case 'X':
 			return io.EOF

@@ -922,3 +922,45 @@ func TestBindBackendTerminatedSaysSo(t *testing.T) {
 		t.Fatalf("%v: want the proxy's hint that nothing was bound", err)
 	}
 }
+
+// TestLateSyncAfterTheErrorIsAnswered (second review, LOG 01:57): a stale
+// session's client sends Parse, Bind, Execute and Flush, reads the proxy's
+// ZF001, and sends its Sync 1.5 s later: it gets the ReadyForQuery that ends
+// the unit, then the end (before the fix the write deadline of the first
+// answer had passed, and the Sync got the end alone).
+func TestLateSyncAfterTheErrorIsAnswered(t *testing.T) {
+	t.Parallel()
+	e := v2StartEnv(t, []string{"latesync"})
+	ctx := v2Ctx(t)
+	s, err := v2Dial(v2Addr(e.ah.Host, e.ah.Port), v2Params("postgres", "latesync", 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	if err := e.raise(ctx, "postgres", "latesync", 2); err != nil {
+		t.Fatal(err)
+	}
+	// The idle client is told at once (FATAL ZF001); the proxy keeps the
+	// connection for its next unit.
+	if _, err := s.untilRFQ(0, "ErrorResponse", 15*time.Second); err != nil {
+		t.Fatalf("the idle stale session was not told: %v", err)
+	}
+	if err := s.send(append(v2PBE("", "", "SELECT 1"), &pgproto3.Flush{})...); err != nil {
+		t.Fatal(err)
+	}
+	m, err := s.untilRFQ(0, "ErrorResponse", 15*time.Second)
+	if err != nil || m[len(m)-1].Err.Code != fence.CodeStale {
+		t.Fatalf("the unit's first messages: %v %v, want ERROR ZF001", err, m)
+	}
+	time.Sleep(1500 * time.Millisecond)
+	if err := s.send(&pgproto3.Sync{}); err != nil {
+		t.Fatal(err)
+	}
+	rest, err := s.drain(15 * time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(rest) != 1 || rest[0].Type != "ReadyForQuery" {
+		t.Fatalf("the late Sync got %d messages (%s), want one ReadyForQuery, then the end", len(rest), v2Last(rest))
+	}
+}
