@@ -20,18 +20,9 @@ packages=(
   docker-compose                     # the demo's compose file
 )
 
-say() { printf 'deps: %s\n' "$*"; }
-
-as_root() {
-  if [ "$(id -u)" -eq 0 ]; then
-    "$@"
-  elif command -v sudo >/dev/null; then
-    sudo "$@"
-  else
-    echo "deps: need root (or sudo) to run: $*" >&2
-    exit 1
-  fi
-}
+prog=deps
+# shellcheck source=scripts/lib.sh
+. scripts/lib.sh
 
 missing=()
 for p in "${packages[@]}"; do

@@ -1,10 +1,22 @@
-# Shell helpers shared by scripts/demo.sh and bench/bench.sh: sourced, not run. The sourcing
+# Shell helpers shared by scripts/deps.sh, scripts/demo.sh, scripts/psycopg-suite.sh and
+# bench/bench.sh: sourced, not run. The sourcing
 # script sets `prog`, the prefix of its messages, first.
 
 say() { printf '%s: %s\n' "$prog" "$*"; }
 die() {
 	printf '%s: FAILED: %s\n' "$prog" "$*" >&2
 	exit 1
+}
+
+# as_root COMMAND...: runs COMMAND as root (directly, or through sudo).
+as_root() {
+	if [[ $(id -u) == 0 ]]; then
+		"$@"
+	elif command -v sudo >/dev/null; then
+		sudo "$@"
+	else
+		die "need root (or sudo) to run: $*"
+	fi
 }
 
 # wait_for DESCRIPTION SECONDS COMMAND...: polls COMMAND until it succeeds.

@@ -77,16 +77,6 @@ fence_options="-c fence.resource=suite -c fence.token=$token"
 # every test of psycopg 3.1.7 that passes directly here passes through the proxy unfenced.
 expected_differences=''
 
-as_root() {
-	if [[ $(id -u) == 0 ]]; then
-		"$@"
-	elif command -v sudo >/dev/null; then
-		sudo "$@"
-	else
-		die "need root (or sudo) to run: $*"
-	fi
-}
-
 # --- what the suite needs ----------------------------------------------------------------------
 
 packages=(
