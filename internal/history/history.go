@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"fmt"
 	"slices"
+	"time"
 )
 
 // Raise is an attempt to admit Token for Resource in Database, at commit position Pos.
@@ -46,13 +47,33 @@ func (r Result) String() string {
 	}
 }
 
-// Outcome is a client's view of one attempt.
+// MarshalText writes the Result's name, for clients that record outcomes as JSON lines.
+func (r Result) MarshalText() ([]byte, error) { return []byte(r.String()), nil }
+
+// UnmarshalText reads a name MarshalText wrote.
+func (r *Result) UnmarshalText(b []byte) error {
+	switch string(b) {
+	case "acknowledged":
+		*r = Acked
+	case "error":
+		*r = Failed
+	case "unknown":
+		*r = Unknown
+	default:
+		return fmt.Errorf("history: result %q: want acknowledged, error or unknown", b)
+	}
+	return nil
+}
+
+// Outcome is a client's view of one attempt. The JSON form is what the chaos workload's
+// replicas write, one object a line.
 type Outcome struct {
-	Attempt  string
-	Unit     string
-	Token    int64
-	Result   Result
-	SQLState string // with Failed
+	Attempt  string    `json:"attempt"`
+	Unit     string    `json:"unit"`
+	Token    int64     `json:"token"`
+	Result   Result    `json:"result"`
+	SQLState string    `json:"sqlstate,omitempty"` // with Failed
+	At       time.Time `json:"at"`                 // when the client saw it (its own clock)
 }
 
 // History is a campaign's record. Required lists the units that must each be done exactly

@@ -221,3 +221,20 @@ func ExampleCheck() {
 	// stale-commit: app/billing: write of unit 7 (attempt a-1) under token 1 committed at 220, after the raise to token 2 committed at 200
 	// duplicate: unit 7 committed 2 times (tokens [2 1])
 }
+
+func TestOutcomeJSON(t *testing.T) {
+	for _, r := range []history.Result{history.Unknown, history.Acked, history.Failed} {
+		b, err := r.MarshalText()
+		if err != nil {
+			t.Fatal(err)
+		}
+		var back history.Result
+		if err := back.UnmarshalText(b); err != nil || back != r {
+			t.Errorf("%v: round trip gave %v, %v", r, back, err)
+		}
+	}
+	var r history.Result
+	if err := r.UnmarshalText([]byte("maybe")); err == nil {
+		t.Error("UnmarshalText accepted maybe")
+	}
+}
