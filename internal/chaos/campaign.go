@@ -34,11 +34,13 @@ const (
 
 // Fault kinds.
 const (
-	FreezeShort        = "freeze-short" // SIGSTOP the leader's groups for TTL/2
-	FreezeTTL          = "freeze-ttl"   // ... for TTL
-	FreezeLong         = "freeze-long"  // ... for 3 x TTL (beyond Consul's 2 x TTL)
-	KillLeader         = "kill-leader"  // SIGKILL the leader's supervisor and worker
-	KillProxy          = "kill-proxy"   // SIGKILL a proxy, start it again later
+	FreezeShort        = "freeze-short"    // SIGSTOP the leader's groups for TTL/2
+	FreezeTTL          = "freeze-ttl"      // ... for TTL
+	FreezeLong         = "freeze-long"     // ... for 3 x TTL (beyond Consul's 2 x TTL)
+	KillLeader         = "kill-leader"     // SIGKILL the leader's supervisor and worker
+	KillWorker         = "kill-worker"     // SIGKILL the leader's worker (its supervisor releases the lock)
+	KillSupervisor     = "kill-supervisor" // SIGKILL the leader's supervisor: its worker writes on, orphaned
+	KillProxy          = "kill-proxy"      // SIGKILL a proxy, start it again later
 	PGRestartFast      = "pg-restart-fast"
 	PGRestartImmediate = "pg-restart-immediate"
 	ConsulRestart      = "consul-restart"
@@ -53,7 +55,7 @@ const (
 )
 
 // AllFaults are the kinds a round draws from by default.
-var AllFaults = []string{FreezeShort, FreezeTTL, FreezeLong, KillLeader, KillProxy, PGRestartFast,
+var AllFaults = []string{FreezeShort, FreezeTTL, FreezeLong, KillLeader, KillWorker, KillSupervisor, KillProxy, PGRestartFast,
 	PGRestartImmediate, ConsulRestart, DelayApp, DelayPG, LossApp, LossPG, StallApp, StallPG, CutApp, CutPG}
 
 // Config is a campaign. Zero values mean the defaults.
@@ -61,8 +63,8 @@ type Config struct {
 	Rounds    int           // default 20
 	Seed      uint64        // default: from the clock (printed, to replay a campaign's draws)
 	TTL       time.Duration // the replicas' Consul session TTL; default 1 s
-	Units     int           // units of work added each round; default 8
-	TxDelay   time.Duration // the worker's pause inside each transaction; default 50 ms
+	Units     int           // units of work added each round; default 16
+	TxDelay   time.Duration // the worker's pause inside each transaction; default 80 ms
 	MaxFaults int           // faults drawn per round, 1 to MaxFaults; default 3
 	Faults    []string      // kinds to draw from; default AllFaults
 	// Always is a kind every round includes (the negative control freezes a leader in every
@@ -87,8 +89,9 @@ type Result struct {
 	Skipped    map[string]int // drawn but not injectable at that moment (no leader)
 	Writes     int            // committed ledger rows
 	Acked      int
+	Unknown    int            // attempts whose COMMIT's answer was lost
 	Rejected   int            // attempts or connections refused with ZF001 (stale)
-	Refused    map[string]int // other refusals by SQLSTATE
+	Refused    map[string]int // other failed attempts and connections, by SQLSTATE
 	Violations []history.Violation
 	Failures   []string        // round failures: violations, hangs, leaked backends
 	Failovers  []time.Duration // frozen (beyond TTL) or killed leader to the first commit of a higher token
@@ -117,7 +120,7 @@ type env struct {
 	required []string
 	res      Result
 	probes   []probe
-	reported int // violations already turned into round failures
+	reported map[string]bool // violations already turned into round failures
 }
 
 // probe is a leader fault whose failover time is measured.
@@ -142,10 +145,10 @@ func Run(tb testing.TB, cfg Config) Result {
 		cfg.TTL = time.Second
 	}
 	if cfg.Units <= 0 {
-		cfg.Units = 8
+		cfg.Units = 16
 	}
 	if cfg.TxDelay <= 0 {
-		cfg.TxDelay = 50 * time.Millisecond
+		cfg.TxDelay = 80 * time.Millisecond
 	}
 	if cfg.MaxFaults <= 0 {
 		cfg.MaxFaults = 3
@@ -160,6 +163,7 @@ func Run(tb testing.TB, cfg Config) Result {
 		cfg.Logf = tb.Logf
 	}
 	e := &env{tb: tb, cfg: cfg, rng: rand.New(rand.NewPCG(cfg.Seed, cfg.Seed^0x9e3779b97f4a7c15)), dir: tb.TempDir(), logf: cfg.Logf}
+	e.reported = map[string]bool{}
 	e.res = Result{Config: cfg, Faults: map[string]int{}, Skipped: map[string]int{}, Refused: map[string]int{}}
 	e.logf("chaos: seed %d, %d rounds, TTL %v, direct %t", cfg.Seed, cfg.Rounds, cfg.TTL, cfg.Direct)
 	begin := time.Now()
@@ -367,7 +371,8 @@ func (e *env) round(r int) bool {
 	kinds := e.draw()
 	var plan []action
 	for _, k := range kinds {
-		plan = append(plan, e.fault(r, k, time.Duration(e.rng.Int64N(int64(3*e.cfg.TTL/2))))...)
+		// Within the first TTL: while the round's units are being worked on.
+		plan = append(plan, e.fault(r, k, time.Duration(e.rng.Int64N(int64(e.cfg.TTL))))...)
 	}
 	sort.SliceStable(plan, func(i, j int) bool { return plan[i].at < plan[j].at })
 	e.logf("chaos: round %d: %s", r, strings.Join(kinds, " "))
@@ -436,18 +441,19 @@ func (e *env) fault(r int, kind string, t0 time.Duration) []action {
 	switch kind {
 	case FreezeShort, FreezeTTL, FreezeLong:
 		d := map[string]time.Duration{FreezeShort: ttl / 2, FreezeTTL: ttl, FreezeLong: 3 * ttl}[kind]
-		leader := -1
-		var workerPid int
+		leader, workerPid := -1, 0
 		return []action{
 			{t0, kind, func() {
-				i, w, token := e.leader()
-				if i < 0 {
+				i, w, token, ok := e.awaitLeader()
+				if !ok {
 					e.res.Skipped[kind]++
 					return
 				}
 				leader, workerPid = i, w
-				e.frozen[i] = true
-				_ = e.replicas[i].Signal(syscall.SIGSTOP)
+				if i >= 0 {
+					e.frozen[i] = true
+					_ = e.replicas[i].Signal(syscall.SIGSTOP)
+				}
 				_ = syscall.Kill(-w, syscall.SIGSTOP)
 				e.res.Faults[kind]++
 				if kind != FreezeShort {
@@ -455,23 +461,30 @@ func (e *env) fault(r int, kind string, t0 time.Duration) []action {
 				}
 			}},
 			{t0 + d, kind + " end", func() {
-				if leader < 0 {
+				if workerPid == 0 {
 					return
 				}
 				_ = syscall.Kill(-workerPid, syscall.SIGCONT)
-				_ = e.replicas[leader].Signal(syscall.SIGCONT)
-				e.frozen[leader] = false
+				if leader >= 0 {
+					_ = e.replicas[leader].Signal(syscall.SIGCONT)
+					e.frozen[leader] = false
+				}
 			}},
 		}
-	case KillLeader:
+	case KillLeader, KillWorker, KillSupervisor:
 		return []action{{t0, kind, func() {
-			i, w, token := e.leader()
-			if i < 0 {
+			i, w, token, ok := e.awaitLeader()
+			if !ok || (i < 0 && kind == KillSupervisor) {
 				e.res.Skipped[kind]++
 				return
 			}
-			_ = syscall.Kill(-w, syscall.SIGKILL)
-			e.replicas[i].Kill(e.tb)
+			if kind != KillSupervisor {
+				_ = syscall.Kill(-w, syscall.SIGKILL)
+			}
+			if kind != KillWorker && i >= 0 {
+				// Its process group only: the worker leads a group of its own.
+				e.replicas[i].Kill(e.tb)
+			}
 			e.res.Faults[kind]++
 			e.probes = append(e.probes, probe{at: time.Now(), token: token, round: r})
 		}}}

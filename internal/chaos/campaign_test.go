@@ -3,6 +3,7 @@ package chaos_test
 import (
 	"os"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -39,13 +40,18 @@ func envDuration(t *testing.T, name string, def time.Duration) time.Duration {
 
 // TestCampaign runs the campaign through fenceproxy, which must show no violation and no
 // failed round, then its negative control straight to PostgreSQL, which must show
-// violations. $CHAOS_ROUNDS (default 20), $CHAOS_CONTROL_ROUNDS (default 4), $CHAOS_SEED
-// and $CHAOS_TTL (default 1s) tune it; `make chaos` runs a long one.
+// violations. $CHAOS_ROUNDS (default 20), $CHAOS_CONTROL_ROUNDS (default 4), $CHAOS_SEED,
+// $CHAOS_TTL (default 1s) and $CHAOS_FAULTS (kinds, comma-separated; default all) tune it;
+// `make chaos` runs a long one.
 func TestCampaign(t *testing.T) {
 	seed := uint64(envInt(t, "CHAOS_SEED", int(time.Now().UnixNano()%(1<<31)+1)))
 	ttl := envDuration(t, "CHAOS_TTL", time.Second)
+	var faults []string
+	if f := os.Getenv("CHAOS_FAULTS"); f != "" {
+		faults = strings.Split(f, ",")
+	}
 	t.Run("fenced", func(t *testing.T) {
-		res := chaos.Run(t, chaos.Config{Rounds: envInt(t, "CHAOS_ROUNDS", 20), Seed: seed, TTL: ttl})
+		res := chaos.Run(t, chaos.Config{Rounds: envInt(t, "CHAOS_ROUNDS", 20), Seed: seed, TTL: ttl, Faults: faults})
 		t.Logf("chaos figures:\n%s", res.Report())
 		for _, f := range res.Failures {
 			t.Errorf("%s", f)

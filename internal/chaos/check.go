@@ -88,22 +88,30 @@ func (e *env) collect(r int) {
 	}
 	h := history.History{Raises: e.dec.raises, Writes: e.dec.writes, Outcomes: outcomes, Required: e.required}
 	vs := history.Check(h)
-	for _, v := range vs[min(e.reported, len(vs)):] {
-		e.fail(r, "violation: "+v.String())
+	for _, v := range vs {
+		if !e.reported[v.String()] {
+			e.reported[v.String()] = true
+			e.fail(r, "violation: "+v.String())
+		}
 	}
-	e.reported = len(vs)
 	e.res.Violations = vs
 	e.res.Writes = len(e.dec.writes)
-	e.res.Acked, e.res.Rejected = 0, 0
+	e.res.Acked, e.res.Unknown, e.res.Rejected = 0, 0, 0
 	clear(e.res.Refused)
 	for _, o := range outcomes {
 		switch {
 		case o.Result == history.Acked:
 			e.res.Acked++
+		case o.Result == history.Unknown:
+			e.res.Unknown++
 		case o.SQLState == "ZF001":
 			e.res.Rejected++
-		case o.Result == history.Failed && strings.HasPrefix(o.SQLState, "ZF"):
-			e.res.Refused[o.SQLState]++
+		case o.Result == history.Failed:
+			code := o.SQLState
+			if code == "" {
+				code = "no SQLSTATE"
+			}
+			e.res.Refused[code]++
 		}
 	}
 	e.failovers(outcomes)
@@ -168,10 +176,10 @@ func (r Result) Report() string {
 	if len(r.Skipped) > 0 {
 		fmt.Fprintf(&b, "faults skipped (no leader at that moment): %v\n", r.Skipped)
 	}
-	fmt.Fprintf(&b, "writes committed: %d (acknowledged %d)\n", r.Writes, r.Acked)
+	fmt.Fprintf(&b, "writes committed: %d (acknowledged %d, outcome unknown %d)\n", r.Writes, r.Acked, r.Unknown)
 	fmt.Fprintf(&b, "stale attempts rejected (ZF001): %d\n", r.Rejected)
 	if len(r.Refused) > 0 {
-		fmt.Fprintf(&b, "other refusals: %v\n", r.Refused)
+		fmt.Fprintf(&b, "other errors (by SQLSTATE): %v\n", r.Refused)
 	}
 	n := history.Count(r.Violations)
 	fmt.Fprintf(&b, "violations: %d (stale-commit %d, duplicate %d, missing %d, lost-ack %d)\n", len(r.Violations),

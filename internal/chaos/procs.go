@@ -7,6 +7,7 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
+	"time"
 )
 
 // procStat is what /proc/PID/stat says after the command name: state, ppid.
@@ -51,20 +52,40 @@ func (e *env) workers() []int {
 }
 
 // leader is the replica whose supervisor runs a worker (only the lock holder does), with
-// the worker's pid and the token in its environment; -1 when none does.
-func (e *env) leader() (replica, worker int, token int64) {
+// the worker's pid and the token in its environment. A worker whose supervisor was killed
+// writes on as long as its token is admitted: it counts as the leader, with replica -1.
+// ok is false when there is none (a handover in progress).
+func (e *env) leader() (replica, worker int, token int64, ok bool) {
+	orphan := 0
 	for _, w := range e.workers() {
-		_, ppid, ok := procStat(w)
-		if !ok {
+		_, ppid, found := procStat(w)
+		if !found {
 			continue
 		}
 		for i, p := range e.replicas {
 			if p.Running() && p.Pid() == ppid {
-				return i, w, envToken(w)
+				return i, w, envToken(w), true
 			}
 		}
+		orphan = w
 	}
-	return -1, 0, 0
+	if orphan != 0 {
+		return -1, orphan, envToken(orphan), true
+	}
+	return -1, 0, 0, false
+}
+
+// awaitLeader waits up to 2 x TTL for a leader (keeping the replicas running meanwhile).
+func (e *env) awaitLeader() (replica, worker int, token int64, ok bool) {
+	deadline := time.Now().Add(2 * e.cfg.TTL)
+	for {
+		replica, worker, token, ok = e.leader()
+		if ok || time.Now().After(deadline) {
+			return replica, worker, token, ok
+		}
+		e.supervise()
+		time.Sleep(20 * time.Millisecond)
+	}
 }
 
 func envToken(pid int) int64 {
