@@ -93,8 +93,8 @@ type Result struct {
 	Rejected   int            // attempts or connections refused with ZF001 (stale)
 	Refused    map[string]int // other failed attempts and connections, by SQLSTATE
 	Violations []history.Violation
-	Failures   []string        // round failures: violations, hangs, leaked backends
-	Failovers  []time.Duration // frozen (beyond TTL) or killed leader to the first commit of a higher token
+	Failures   []string                   // round failures: violations, hangs, leaked backends
+	Failovers  map[string][]time.Duration // by fault: frozen (TTL or longer) or killed leader to the first commit of a higher token
 	Elapsed    time.Duration
 }
 
@@ -125,6 +125,7 @@ type env struct {
 
 // probe is a leader fault whose failover time is measured.
 type probe struct {
+	kind  string
 	at    time.Time
 	token int64
 	round int
@@ -164,7 +165,7 @@ func Run(tb testing.TB, cfg Config) Result {
 	}
 	e := &env{tb: tb, cfg: cfg, rng: rand.New(rand.NewPCG(cfg.Seed, cfg.Seed^0x9e3779b97f4a7c15)), dir: tb.TempDir(), logf: cfg.Logf}
 	e.reported = map[string]bool{}
-	e.res = Result{Config: cfg, Faults: map[string]int{}, Skipped: map[string]int{}, Refused: map[string]int{}}
+	e.res = Result{Config: cfg, Faults: map[string]int{}, Skipped: map[string]int{}, Refused: map[string]int{}, Failovers: map[string][]time.Duration{}}
 	e.logf("chaos: seed %d, %d rounds, TTL %v, direct %t", cfg.Seed, cfg.Rounds, cfg.TTL, cfg.Direct)
 	begin := time.Now()
 	e.setup()
@@ -457,7 +458,7 @@ func (e *env) fault(r int, kind string, t0 time.Duration) []action {
 				_ = syscall.Kill(-w, syscall.SIGSTOP)
 				e.res.Faults[kind]++
 				if kind != FreezeShort {
-					e.probes = append(e.probes, probe{at: time.Now(), token: token, round: r})
+					e.probes = append(e.probes, probe{kind: kind, at: time.Now(), token: token, round: r})
 				}
 			}},
 			{t0 + d, kind + " end", func() {
@@ -486,7 +487,7 @@ func (e *env) fault(r int, kind string, t0 time.Duration) []action {
 				e.replicas[i].Kill(e.tb)
 			}
 			e.res.Faults[kind]++
-			e.probes = append(e.probes, probe{at: time.Now(), token: token, round: r})
+			e.probes = append(e.probes, probe{kind: kind, at: time.Now(), token: token, round: r})
 		}}}
 	case KillProxy:
 		p := e.proxies[e.rng.IntN(proxies)]

@@ -145,11 +145,11 @@ func (e *env) outcomes() ([]history.Outcome, error) {
 func (e *env) failovers(outcomes []history.Outcome) {
 	acks := slices.DeleteFunc(slices.Clone(outcomes), func(o history.Outcome) bool { return o.Result != history.Acked })
 	sort.Slice(acks, func(i, j int) bool { return acks[i].At.Before(acks[j].At) })
-	e.res.Failovers = e.res.Failovers[:0]
+	clear(e.res.Failovers)
 	for _, p := range e.probes {
 		for _, a := range acks {
 			if a.Token > p.token && a.At.After(p.at) {
-				e.res.Failovers = append(e.res.Failovers, a.At.Sub(p.at))
+				e.res.Failovers[p.kind] = append(e.res.Failovers[p.kind], a.At.Sub(p.at))
 				break
 			}
 		}
@@ -185,14 +185,28 @@ func (r Result) Report() string {
 	fmt.Fprintf(&b, "violations: %d (stale-commit %d, duplicate %d, missing %d, lost-ack %d)\n", len(r.Violations),
 		n[history.StaleCommit], n[history.Duplicate], n[history.Missing], n[history.LostAck])
 	fmt.Fprintf(&b, "round failures: %d\n", len(r.Failures))
-	if len(r.Failovers) > 0 {
-		d := slices.Clone(r.Failovers)
-		slices.Sort(d)
-		q := func(p float64) time.Duration { return d[min(len(d)-1, int(math.Ceil(p*float64(len(d))))-1)] }
-		fmt.Fprintf(&b, "failover (frozen or killed leader to the first commit of a higher token): n %d, median %v, p99 %v, max %v; Consul's bound 2 x TTL = %v\n",
-			len(d), q(0.5).Round(time.Millisecond), q(0.99).Round(time.Millisecond), d[len(d)-1].Round(time.Millisecond), 2*r.Config.TTL)
+	var all []time.Duration
+	var byKind []string
+	for k, d := range r.Failovers {
+		all = append(all, d...)
+		byKind = append(byKind, k+" "+quantiles(d))
+	}
+	sort.Strings(byKind)
+	if len(all) > 0 {
+		fmt.Fprintf(&b, "failover (frozen or killed leader to the first commit of a higher token; Consul's bound 2 x TTL = %v): %s\n", 2*r.Config.TTL, quantiles(all))
+		for _, k := range byKind {
+			fmt.Fprintf(&b, "  %s\n", k)
+		}
 	} else {
 		fmt.Fprintf(&b, "failover: none measured\n")
 	}
 	return b.String()
+}
+
+// quantiles is "n N, median M, p99 P, max X" of d.
+func quantiles(d []time.Duration) string {
+	d = slices.Clone(d)
+	slices.Sort(d)
+	q := func(p float64) time.Duration { return d[max(0, min(len(d)-1, int(math.Ceil(p*float64(len(d))))-1))] }
+	return fmt.Sprintf("n %d, median %v, p99 %v, max %v", len(d), q(0.5).Round(time.Millisecond), q(0.99).Round(time.Millisecond), d[len(d)-1].Round(time.Millisecond))
 }
