@@ -123,7 +123,7 @@ func columns(data string) map[string]string {
 	out := map[string]string{}
 	for _, m := range column.FindAllStringSubmatch(data, -1) {
 		v := m[2]
-		if strings.HasPrefix(v, "'") {
+		if len(v) >= 2 && strings.HasPrefix(v, "'") && strings.HasSuffix(v, "'") {
 			v = strings.ReplaceAll(v[1:len(v)-1], "''", "'")
 		}
 		out[m[1]] = v

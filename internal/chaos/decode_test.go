@@ -45,3 +45,19 @@ func TestDecoderParse(t *testing.T) {
 		t.Errorf("writes: got %+v, want %+v", d.writes, wantWrites)
 	}
 }
+
+// FuzzDecoderParse: whatever test_decoding prints, the parser returns an error or records,
+// never panics, and records only committed transactions' changes.
+func FuzzDecoderParse(f *testing.F) {
+	f.Add("0/10", "table public.ledger: INSERT: id[bigint]:1 unit_id[bigint]:7 token[bigint]:3 bound_token[bigint]:null attempt[text]:'a''b' replica[text]:'r1'")
+	f.Add("0/10", "table fence.tokens: UPDATE: resource[text]:'ledger' token[bigint]:4")
+	f.Add("1/FFFFFFFF", "table fence.tokens: INSERT: resource[text]:'ledger' token[bigint]:x")
+	f.Fuzz(func(t *testing.T, lsn, data string) {
+		d := newDecoder("ledger", "ledger")
+		_ = d.parse([][2]string{{"0/1", "BEGIN"}, {lsn, data}})
+		if len(d.raises) != 0 || len(d.writes) != 0 {
+			t.Fatalf("records without a COMMIT: %+v %+v", d.raises, d.writes)
+		}
+		_ = d.parse([][2]string{{"0/1", "BEGIN"}, {"0/2", data}, {lsn, "COMMIT"}})
+	})
+}
