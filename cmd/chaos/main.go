@@ -107,8 +107,15 @@ func (w *worker) run(ctx context.Context) int {
 	// expire during a freeze and hide the late commit the campaign looks for.
 	db := context.WithoutCancel(ctx)
 	for ctx.Err() == nil {
+		cfg, err := pgx.ParseConfig(w.url)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "chaos worker:", err)
+			return 2
+		}
+		// The campaign finds this process's backend by it (to freeze it mid-transaction).
+		cfg.RuntimeParams["application_name"] = fmt.Sprintf("chaos-worker-%d", os.Getpid())
 		cctx, cancel := context.WithTimeout(db, 20*time.Second)
-		conn, err := pgx.Connect(cctx, w.url)
+		conn, err := pgx.ConnectConfig(cctx, cfg)
 		cancel()
 		if err != nil {
 			if code := sqlstate(err); code != "" {

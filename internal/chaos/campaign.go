@@ -79,6 +79,9 @@ type Config struct {
 	// Pending units after it are a hang.
 	Settle time.Duration
 	Logf   func(format string, args ...any) // default tb.Logf
+	// Dir keeps the processes' logs and the replicas' outcome files (default: a temporary
+	// folder removed at the end).
+	Dir string
 }
 
 // Result is a campaign's figures.
@@ -163,7 +166,12 @@ func Run(tb testing.TB, cfg Config) Result {
 	if cfg.Logf == nil {
 		cfg.Logf = tb.Logf
 	}
-	e := &env{tb: tb, cfg: cfg, rng: rand.New(rand.NewPCG(cfg.Seed, cfg.Seed^0x9e3779b97f4a7c15)), dir: tb.TempDir(), logf: cfg.Logf}
+	e := &env{tb: tb, cfg: cfg, rng: rand.New(rand.NewPCG(cfg.Seed, cfg.Seed^0x9e3779b97f4a7c15)), dir: cfg.Dir, logf: cfg.Logf}
+	if e.dir == "" {
+		e.dir = tb.TempDir()
+	} else if err := os.MkdirAll(e.dir, 0o755); err != nil {
+		tb.Fatal(err)
+	}
 	e.reported = map[string]bool{}
 	e.res = Result{Config: cfg, Faults: map[string]int{}, Skipped: map[string]int{}, Refused: map[string]int{}, Failovers: map[string][]time.Duration{}}
 	e.logf("chaos: seed %d, %d rounds, TTL %v, direct %t", cfg.Seed, cfg.Rounds, cfg.TTL, cfg.Direct)
@@ -450,6 +458,11 @@ func (e *env) fault(r int, kind string, t0 time.Duration) []action {
 					e.res.Skipped[kind]++
 					return
 				}
+				// Mostly in the middle of a unit, where a late commit does harm; sometimes
+				// wherever the leader is.
+				if e.rng.IntN(4) > 0 && e.midTransaction(w, ttl) {
+					e.res.Faults[kind+" mid-transaction"]++
+				}
 				leader, workerPid = i, w
 				if i >= 0 {
 					e.frozen[i] = true
@@ -548,6 +561,25 @@ func (e *env) fault(r int, kind string, t0 time.Duration) []action {
 	}
 	e.tb.Fatalf("chaos: unknown fault %q", kind)
 	return nil
+}
+
+// midTransaction waits up to within until worker's backend is inside a transaction (idle
+// in it: the worker's pause between its INSERT and its UPDATE), and reports whether it is.
+func (e *env) midTransaction(worker int, within time.Duration) bool {
+	var in bool
+	_ = e.tryAdmin(func(ctx context.Context, c *pgx.Conn) error {
+		deadline := time.Now().Add(within)
+		for time.Now().Before(deadline) {
+			err := c.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_stat_activity WHERE application_name = $1 AND state = 'idle in transaction')`,
+				fmt.Sprintf("chaos-worker-%d", worker)).Scan(&in)
+			if err != nil || in {
+				return err
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+		return nil
+	})
+	return in
 }
 
 // healAll undoes whatever a round left: every process running and awake, every link clean.

@@ -2,6 +2,7 @@ package chaos_test
 
 import (
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
@@ -38,10 +39,22 @@ func envDuration(t *testing.T, name string, def time.Duration) time.Duration {
 	return d
 }
 
+// keep is $CHAOS_DIR/name when $CHAOS_DIR is set: the campaign's logs and outcome files
+// stay there.
+func keep(t *testing.T, name string) string {
+	if d := os.Getenv("CHAOS_DIR"); d != "" {
+		dir := filepath.Join(d, name)
+		t.Logf("chaos: logs and outcomes in %s", dir)
+		return dir
+	}
+	return ""
+}
+
 // TestCampaign runs the campaign through fenceproxy, which must show no violation and no
 // failed round, then its negative control straight to PostgreSQL, which must show
 // violations. $CHAOS_ROUNDS (default 20), $CHAOS_CONTROL_ROUNDS (default 4), $CHAOS_SEED,
-// $CHAOS_TTL (default 1s) and $CHAOS_FAULTS (kinds, comma-separated; default all) tune it;
+// $CHAOS_TTL (default 1s), $CHAOS_FAULTS (kinds, comma-separated; default all) and
+// $CHAOS_DIR (keep the logs there) tune it;
 // `make chaos` runs a long one.
 func TestCampaign(t *testing.T) {
 	seed := uint64(envInt(t, "CHAOS_SEED", int(time.Now().UnixNano()%(1<<31)+1)))
@@ -51,7 +64,7 @@ func TestCampaign(t *testing.T) {
 		faults = strings.Split(f, ",")
 	}
 	t.Run("fenced", func(t *testing.T) {
-		res := chaos.Run(t, chaos.Config{Rounds: envInt(t, "CHAOS_ROUNDS", 20), Seed: seed, TTL: ttl, Faults: faults})
+		res := chaos.Run(t, chaos.Config{Rounds: envInt(t, "CHAOS_ROUNDS", 20), Seed: seed, TTL: ttl, Faults: faults, Dir: keep(t, "fenced")})
 		t.Logf("chaos figures:\n%s", res.Report())
 		for _, f := range res.Failures {
 			t.Errorf("%s", f)
@@ -61,7 +74,7 @@ func TestCampaign(t *testing.T) {
 		}
 	})
 	t.Run("direct", func(t *testing.T) {
-		res := chaos.Run(t, chaos.Config{Rounds: envInt(t, "CHAOS_CONTROL_ROUNDS", 4), Seed: seed, TTL: ttl,
+		res := chaos.Run(t, chaos.Config{Rounds: envInt(t, "CHAOS_CONTROL_ROUNDS", 4), Seed: seed, TTL: ttl, Dir: keep(t, "direct"),
 			Direct: true, Always: chaos.FreezeLong})
 		t.Logf("chaos figures:\n%s", res.Report())
 		n := history.Count(res.Violations)

@@ -54,12 +54,13 @@ func (e *env) workers() []int {
 // leader is the replica whose supervisor runs a worker (only the lock holder does), with
 // the worker's pid and the token in its environment. A worker whose supervisor was killed
 // writes on as long as its token is admitted: it counts as the leader, with replica -1.
-// ok is false when there is none (a handover in progress).
+// A frozen worker is skipped: another fault of the round already holds it. ok is false when
+// there is none (a handover in progress).
 func (e *env) leader() (replica, worker int, token int64, ok bool) {
 	orphan := 0
 	for _, w := range e.workers() {
-		_, ppid, found := procStat(w)
-		if !found {
+		state, ppid, found := procStat(w)
+		if !found || state == 'T' {
 			continue
 		}
 		for i, p := range e.replicas {
