@@ -243,6 +243,9 @@ func (e *env) setup() {
 	for i := range replicas {
 		e.replicas[i] = testenv.StartProcess(tb, e.dir, fmt.Sprintf("replica-%d", i+1), e.replicaArgv(i), e.replicaEnv(i))
 	}
+	// Cleanups run last first: the workers go before the proxies and servers they use
+	// (a supervisor's end does not end its worker, which leads a process group of its own).
+	tb.Cleanup(e.sweepWorkers)
 }
 
 // schema is the workload: units that must each be done once, and the ledger that does

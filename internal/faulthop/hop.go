@@ -3,6 +3,7 @@ package faulthop
 import (
 	"context"
 	"errors"
+	"io"
 	"math/rand/v2"
 	"net"
 	"sync"
@@ -79,25 +80,35 @@ func (h *Hop) serve(client net.Conn) {
 	}
 	h.conns[p] = struct{}{}
 	h.mu.Unlock()
-	done := make(chan struct{}, 2)
-	go func() { h.clientToServer(p); done <- struct{}{} }()
-	go func() { h.serverToClient(p); done <- struct{}{} }()
-	<-done
-	// One direction ended: the connection is over in both (no half-open relays left
-	// behind to hold a server's backend).
+	// A direction that ends with the peer's FIN is half-closed onward (CloseWrite), as a
+	// network passes a FIN: a server that sends its last message and shuts its side down
+	// (fenceproxy does so for a stale session, lingering for the client's next message)
+	// must still be readable, and the other direction keeps flowing. A direction that ends
+	// with an error, or a fault, ends both.
+	done := make(chan error, 2)
+	go func() { done <- h.clientToServer(p) }()
+	go func() { done <- h.serverToClient(p) }()
+	for range 2 {
+		if err := <-done; err != nil {
+			client.Close()
+			server.Close()
+		}
+	}
 	client.Close()
 	server.Close()
-	<-done
 	h.mu.Lock()
 	delete(h.conns, p)
 	h.mu.Unlock()
 }
 
 // Two named methods so that a stack trace says which direction is stuck.
-func (h *Hop) clientToServer(p *pair) { h.copy(p, p.server, p.client) }
-func (h *Hop) serverToClient(p *pair) { h.copy(p, p.client, p.server) }
+func (h *Hop) clientToServer(p *pair) error { return h.copy(p, p.server, p.client) }
+func (h *Hop) serverToClient(p *pair) error { return h.copy(p, p.client, p.server) }
 
-func (h *Hop) copy(p *pair, dst, src net.Conn) {
+var errLoss = errors.New("faulthop: connection dropped")
+
+// copy relays src to dst until src's EOF (nil: dst is half-closed) or an error.
+func (h *Hop) copy(p *pair, dst, src net.Conn) error {
 	buf := make([]byte, chunk)
 	for {
 		n, err := src.Read(buf)
@@ -105,14 +116,22 @@ func (h *Hop) copy(p *pair, dst, src net.Conn) {
 			if !h.pass() {
 				reset(p.client)
 				reset(p.server)
-				return
+				return errLoss
 			}
 			if _, werr := dst.Write(buf[:n]); werr != nil {
-				return
+				return werr
 			}
 		}
+		if errors.Is(err, io.EOF) {
+			if tc, ok := dst.(*net.TCPConn); ok {
+				if cerr := tc.CloseWrite(); cerr != nil {
+					return cerr
+				}
+			}
+			return nil
+		}
 		if err != nil {
-			return
+			return err
 		}
 	}
 }

@@ -141,3 +141,49 @@ func TestTargetDown(t *testing.T) {
 		t.Fatal("a target that is down: the client's connection was not closed")
 	}
 }
+
+// TestHalfClose: a server that answers and shuts down its side stays readable, and the
+// client's next write still reaches it (fenceproxy lingers so for a stale session).
+func TestHalfClose(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	got := make(chan string, 1)
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		_, _ = c.Write([]byte("bye\n"))
+		_ = c.(*net.TCPConn).CloseWrite()
+		line, _ := bufio.NewReader(c).ReadString('\n')
+		got <- line
+	}()
+	h, err := faulthop.Start("", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close(context.Background())
+	c, r := dial(t, h)
+	if line, err := r.ReadString('\n'); err != nil || line != "bye\n" {
+		t.Fatalf("read: %q, %v", line, err)
+	}
+	if _, err := r.ReadByte(); err != io.EOF {
+		t.Fatalf("after the server's FIN: %v, want EOF", err)
+	}
+	time.Sleep(50 * time.Millisecond) // a hop that closed both sides would reset the write below
+	if _, err := c.Write([]byte("commit\n")); err != nil {
+		t.Fatalf("write after the server's FIN: %v", err)
+	}
+	select {
+	case line := <-got:
+		if line != "commit\n" {
+			t.Fatalf("server read %q", line)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the server did not get the client's write")
+	}
+}
