@@ -123,7 +123,10 @@ type env struct {
 	required []string
 	res      Result
 	probes   []probe
-	reported map[string]bool // violations already turned into round failures
+
+	roundStart time.Time
+	added      []action        // steps the running step added to the round's plan
+	reported   map[string]bool // violations already turned into round failures
 }
 
 // probe is a leader fault whose failover time is measured.
@@ -361,12 +364,20 @@ func pause(ctx context.Context, d time.Duration) {
 	}
 }
 
-// action is one step of a round's fault timeline.
+// action is one step of a round's fault timeline, at an offset from the round's start. A
+// step may add steps to the plan with env.later (the end of a freeze is timed from the
+// moment it began, which waiting for a leader may have delayed).
 type action struct {
 	at   time.Duration
 	name string
 	do   func()
 }
+
+// later adds a to the running round's plan.
+func (e *env) later(a action) { e.added = append(e.added, a) }
+
+// since is the offset from the running round's start.
+func (e *env) since() time.Duration { return time.Since(e.roundStart) }
 
 // round runs round r; false stops the campaign (a hang: the state is unknown).
 func (e *env) round(r int) bool {
@@ -386,15 +397,19 @@ func (e *env) round(r int) bool {
 		// Within the first TTL: while the round's units are being worked on.
 		plan = append(plan, e.fault(r, k, time.Duration(e.rng.Int64N(int64(e.cfg.TTL))))...)
 	}
-	sort.SliceStable(plan, func(i, j int) bool { return plan[i].at < plan[j].at })
 	e.logf("chaos: round %d: %s", r, strings.Join(kinds, " "))
-	start := time.Now()
-	for _, a := range plan {
-		for wait := time.Until(start.Add(a.at)); wait > 0; wait = time.Until(start.Add(a.at)) {
+	e.roundStart = time.Now()
+	for len(plan) > 0 {
+		sort.SliceStable(plan, func(i, j int) bool { return plan[i].at < plan[j].at })
+		a := plan[0]
+		plan = plan[1:]
+		for wait := a.at - e.since(); wait > 0; wait = a.at - e.since() {
 			e.supervise()
 			time.Sleep(min(wait, 50*time.Millisecond))
 		}
 		a.do()
+		plan = append(plan, e.added...)
+		e.added = nil
 	}
 	e.healAll()
 
@@ -453,41 +468,34 @@ func (e *env) fault(r int, kind string, t0 time.Duration) []action {
 	switch kind {
 	case FreezeShort, FreezeTTL, FreezeLong:
 		d := map[string]time.Duration{FreezeShort: ttl / 2, FreezeTTL: ttl, FreezeLong: 3 * ttl}[kind]
-		leader, workerPid := -1, 0
-		return []action{
-			{t0, kind, func() {
-				i, w, token, ok := e.awaitLeader()
-				if !ok {
-					e.res.Skipped[kind]++
-					return
-				}
-				// Mostly in the middle of a unit, where a late commit does harm; sometimes
-				// wherever the leader is.
-				if e.rng.IntN(4) > 0 && e.midTransaction(w, ttl) {
-					e.res.Faults[kind+" mid-transaction"]++
-				}
-				leader, workerPid = i, w
+		return []action{{t0, kind, func() {
+			i, w, token, ok := e.awaitLeader()
+			if !ok {
+				e.res.Skipped[kind]++
+				return
+			}
+			// Mostly in the middle of a unit, where a late commit does harm; sometimes
+			// wherever the leader is.
+			if e.rng.IntN(4) > 0 && e.midTransaction(w, ttl) {
+				e.res.Faults[kind+" mid-transaction"]++
+			}
+			if i >= 0 {
+				e.frozen[i] = true
+				_ = e.replicas[i].Signal(syscall.SIGSTOP)
+			}
+			_ = syscall.Kill(-w, syscall.SIGSTOP)
+			e.res.Faults[kind]++
+			if kind != FreezeShort {
+				e.probes = append(e.probes, probe{kind: kind, at: time.Now(), token: token, round: r})
+			}
+			e.later(action{e.since() + d, kind + " end", func() {
+				_ = syscall.Kill(-w, syscall.SIGCONT)
 				if i >= 0 {
-					e.frozen[i] = true
-					_ = e.replicas[i].Signal(syscall.SIGSTOP)
+					_ = e.replicas[i].Signal(syscall.SIGCONT)
+					e.frozen[i] = false
 				}
-				_ = syscall.Kill(-w, syscall.SIGSTOP)
-				e.res.Faults[kind]++
-				if kind != FreezeShort {
-					e.probes = append(e.probes, probe{kind: kind, at: time.Now(), token: token, round: r})
-				}
-			}},
-			{t0 + d, kind + " end", func() {
-				if workerPid == 0 {
-					return
-				}
-				_ = syscall.Kill(-workerPid, syscall.SIGCONT)
-				if leader >= 0 {
-					_ = e.replicas[leader].Signal(syscall.SIGCONT)
-					e.frozen[leader] = false
-				}
-			}},
-		}
+			}})
+		}}}
 	case KillLeader, KillWorker, KillSupervisor:
 		return []action{{t0, kind, func() {
 			i, w, token, ok := e.awaitLeader()
