@@ -41,6 +41,7 @@ const (
 	KillWorker         = "kill-worker"     // SIGKILL the leader's worker (its supervisor releases the lock)
 	KillSupervisor     = "kill-supervisor" // SIGKILL the leader's supervisor: its worker writes on, orphaned
 	KillProxy          = "kill-proxy"      // SIGKILL a proxy, start it again later
+	FreezeProxy        = "freeze-proxy"    // SIGSTOP a proxy for TTL/2 to 3 x TTL
 	PGRestartFast      = "pg-restart-fast"
 	PGRestartImmediate = "pg-restart-immediate"
 	ConsulRestart      = "consul-restart"
@@ -55,7 +56,7 @@ const (
 )
 
 // AllFaults are the kinds a round draws from by default.
-var AllFaults = []string{FreezeShort, FreezeTTL, FreezeLong, KillLeader, KillWorker, KillSupervisor, KillProxy, PGRestartFast,
+var AllFaults = []string{FreezeShort, FreezeTTL, FreezeLong, KillLeader, KillWorker, KillSupervisor, KillProxy, FreezeProxy, PGRestartFast,
 	PGRestartImmediate, ConsulRestart, DelayApp, DelayPG, LossApp, LossPG, StallApp, StallPG, CutApp, CutPG}
 
 // Config is a campaign. Zero values mean the defaults.
@@ -524,6 +525,12 @@ func (e *env) fault(r int, kind string, t0 time.Duration) []action {
 				}
 			}},
 		}
+	case FreezeProxy:
+		p := e.proxies[e.rng.IntN(proxies)]
+		return []action{
+			{t0, kind, func() { _ = p.Signal(syscall.SIGSTOP); e.res.Faults[kind]++ }},
+			{t0 + span(ttl/2, 3*ttl), kind + " end", func() { _ = p.Signal(syscall.SIGCONT) }},
+		}
 	case PGRestartFast, PGRestartImmediate:
 		return []action{
 			{t0, kind, func() {
@@ -612,6 +619,7 @@ func (e *env) healAll() {
 		e.consul.Start(e.tb)
 	}
 	for _, p := range e.proxies {
+		_ = p.Signal(syscall.SIGCONT)
 		if !p.Running() {
 			p.Start(e.tb)
 			p.WaitListening(e.tb)
