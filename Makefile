@@ -1,5 +1,5 @@
 # fenceproxy: `make test` is what CI runs (.ci/run).
-.PHONY: all deps build test fmt fmt-check vet sqltest fuzz gotest gen-long demo bench psycopg-suite clean
+.PHONY: all deps build test fmt fmt-check vet sqltest fuzz gotest gen-long chaos demo bench psycopg-suite clean
 # Prerequisites are steps in order (deps before tests), also under make -j.
 .NOTPARALLEL:
 
@@ -61,6 +61,17 @@ GEN_SEED   ?= 1
 gen-long:
 	FENCEPROXY_GEN_ROUNDS=$(GEN_ROUNDS) FENCEPROXY_GEN_SEED=$(GEN_SEED) \
 		$(GO) test -race -count=1 -timeout 0 -v -run '^TestGeneratedSequences$$' ./internal/proxy/
+
+# The chaos campaign of internal/chaos, long: `make test` runs 20 rounds through fenceproxy
+# and a 4-round negative control straight to PostgreSQL (TestCampaign); this runs
+# CHAOS_ROUNDS and CHAOS_CONTROL_ROUNDS (CHAOS_SEED=<seed> replays a campaign's draws,
+# CHAOS_TTL sets the replicas' session TTL, CHAOS_FAULTS=kind,kind limits the faults).
+# About 3-5 s a round; the figures are printed at the end of each campaign.
+CHAOS_ROUNDS         ?= 1000
+CHAOS_CONTROL_ROUNDS ?= 20
+chaos: deps
+	CHAOS_ROUNDS=$(CHAOS_ROUNDS) CHAOS_CONTROL_ROUNDS=$(CHAOS_CONTROL_ROUNDS) \
+		$(GO) test -count=1 -timeout 0 -v -run '^TestCampaign$$' ./internal/chaos/
 
 demo: deps build
 	DEMO_STORE=$(STORE) DEMO_DEPS=0 bash scripts/demo.sh

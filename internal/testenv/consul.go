@@ -377,3 +377,10 @@ func consulLogTail(path string, from int64) string {
 	}
 	return string(b)
 }
+
+// Running reports whether the agent is started (between Start and Stop).
+func (c *Consul) Running() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.proc != nil
+}

@@ -1,6 +1,8 @@
 // Package testenv starts the real servers that fenceproxy's tests run against:
-// a private PostgreSQL 15 cluster per call of StartPostgres (and a Consul agent,
-// see the Consul helper in this package).
+// a private PostgreSQL 15 cluster per call of StartPostgres, a Consul agent
+// (StartConsul), in-process proxies (StartProxy), and processes that can be frozen,
+// killed and started again as a whole process group (StartProcess; StartProxyProcess
+// for a `fenceproxy serve` on a fixed port; BuildGo for the binaries).
 //
 // A cluster lives in its own temporary folder, listens on 127.0.0.1 on a private
 // port and on a unix socket in that folder, and is stopped and removed by
@@ -10,8 +12,9 @@
 // server crash, not a power loss.
 //
 // The package owns starting, stopping and crashing servers and the addresses to
-// reach them. It must not be imported by non-test code, and it must not mock what
-// the servers decide: tests ask the real server.
+// reach them. It must not be imported by non-test code (internal/chaos, the chaos
+// campaign, is run only as a test), and it must not mock what the servers decide:
+// tests ask the real server.
 //
 // Missing binaries are a fatal test error that names `make deps`, never a skip:
 // a suite that silently skips its database tests proves nothing.

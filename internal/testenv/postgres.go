@@ -763,3 +763,10 @@ func pidFileDead(path string, missingIsDead bool) bool {
 	}
 	return errors.Is(syscall.Kill(pid, 0), syscall.ESRCH)
 }
+
+// Running reports whether the cluster is started (between Start and Stop or Kill).
+func (p *Postgres) Running() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.proc != nil
+}

@@ -1,0 +1,639 @@
+package chaos
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"slices"
+	"sort"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/hashicorp/consul/api"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/fenceproxy/fenceproxy/internal/faulthop"
+	"github.com/fenceproxy/fenceproxy/internal/history"
+	"github.com/fenceproxy/fenceproxy/internal/testenv"
+)
+
+// Names of the campaign's resource, lock key and database.
+const (
+	resource = "ledger"
+	lockKey  = "locks/ledger"
+	database = "ledger"
+	appRole  = "app"
+	replicas = 3
+	proxies  = 2
+)
+
+// Fault kinds.
+const (
+	FreezeShort        = "freeze-short"    // SIGSTOP the leader's groups for TTL/2
+	FreezeTTL          = "freeze-ttl"      // ... for TTL
+	FreezeLong         = "freeze-long"     // ... for 3 x TTL (beyond Consul's 2 x TTL)
+	KillLeader         = "kill-leader"     // SIGKILL the leader's supervisor and worker
+	KillWorker         = "kill-worker"     // SIGKILL the leader's worker (its supervisor releases the lock)
+	KillSupervisor     = "kill-supervisor" // SIGKILL the leader's supervisor: its worker writes on, orphaned
+	KillProxy          = "kill-proxy"      // SIGKILL a proxy, start it again later
+	FreezeProxy        = "freeze-proxy"    // SIGSTOP a proxy for TTL/2 to 3 x TTL
+	PGRestartFast      = "pg-restart-fast"
+	PGRestartImmediate = "pg-restart-immediate"
+	ConsulRestart      = "consul-restart"
+	DelayApp           = "delay-app" // app-proxy link (straight to PostgreSQL: unused)
+	DelayPG            = "delay-pg"  // proxy-PostgreSQL link (straight: the app's link)
+	LossApp            = "loss-app"
+	LossPG             = "loss-pg"
+	StallApp           = "stall-app"
+	StallPG            = "stall-pg"
+	CutApp             = "cut-app"
+	CutPG              = "cut-pg"
+)
+
+// AllFaults are the kinds a round draws from by default.
+var AllFaults = []string{FreezeShort, FreezeTTL, FreezeLong, KillLeader, KillWorker, KillSupervisor, KillProxy, FreezeProxy, PGRestartFast,
+	PGRestartImmediate, ConsulRestart, DelayApp, DelayPG, LossApp, LossPG, StallApp, StallPG, CutApp, CutPG}
+
+// Config is a campaign. Zero values mean the defaults.
+type Config struct {
+	Rounds    int           // default 20
+	Seed      uint64        // default: from the clock (printed, to replay a campaign's draws)
+	TTL       time.Duration // the replicas' Consul session TTL; default 1 s
+	Units     int           // units of work added each round; default 16
+	TxDelay   time.Duration // the worker's pause inside each transaction; default 80 ms
+	MaxFaults int           // faults drawn per round, 1 to MaxFaults; default 3
+	Faults    []string      // kinds to draw from; default AllFaults
+	// Always is a kind every round includes (the negative control freezes a leader in every
+	// round, so that it shows what the checker catches); empty: none.
+	Always string
+	// Direct is the negative control: the replicas connect straight to PostgreSQL (through
+	// the same fault hops), and the harness stores each new Consul LockIndex in fence.tokens
+	// itself (fence.reset): the raises happen and are recorded, but no session is bound, so
+	// nothing enforces them.
+	Direct bool
+	// Settle bounds the wait for a round's units after its faults are healed; default 90 s.
+	// Pending units after it are a hang.
+	Settle time.Duration
+	Logf   func(format string, args ...any) // default tb.Logf
+	// Dir keeps the processes' logs and the replicas' outcome files (default: a temporary
+	// folder removed at the end).
+	Dir string
+}
+
+// Result is a campaign's figures.
+type Result struct {
+	Config     Config
+	Rounds     int
+	Faults     map[string]int // injected, by kind
+	Skipped    map[string]int // drawn but not injectable at that moment (no leader)
+	Writes     int            // committed ledger rows
+	Acked      int
+	Unknown    int            // attempts whose COMMIT's answer was lost
+	Rejected   int            // attempts or connections refused with ZF001 (stale)
+	Refused    map[string]int // other failed attempts and connections, by SQLSTATE
+	Violations []history.Violation
+	Failures   []string                   // round failures: violations, hangs, leaked backends
+	Failovers  map[string][]time.Duration // by fault: frozen (TTL or longer) or killed leader to the first commit of a higher token
+	Elapsed    time.Duration
+}
+
+type env struct {
+	tb   testing.TB
+	cfg  Config
+	rng  *rand.Rand
+	dir  string
+	logf func(string, ...any)
+
+	fenceBin, chaosBin string
+
+	pg       *testenv.Postgres
+	consul   *testenv.Consul
+	adminURL string
+	pgHops   [proxies]*faulthop.Hop
+	appHops  [proxies]*faulthop.Hop
+	proxies  [proxies]*testenv.ProxyProcess
+	replicas [replicas]*testenv.Process
+	frozen   [replicas]bool
+
+	dec      *decoder
+	required []string
+	res      Result
+	probes   []probe
+
+	roundStart time.Time
+	added      []action        // steps the running step added to the round's plan
+	reported   map[string]bool // violations already turned into round failures
+}
+
+// probe is a leader fault whose failover time is measured.
+type probe struct {
+	kind  string
+	at    time.Time
+	token int64
+	round int
+}
+
+// Run runs a campaign and returns its figures. Setup failures are fatal; round failures are
+// in the Result (the caller decides what they mean: the fenced campaign must have none, the
+// negative control must have violations).
+func Run(tb testing.TB, cfg Config) Result {
+	tb.Helper()
+	if cfg.Rounds <= 0 {
+		cfg.Rounds = 20
+	}
+	if cfg.Seed == 0 {
+		cfg.Seed = uint64(time.Now().UnixNano())
+	}
+	if cfg.TTL <= 0 {
+		cfg.TTL = time.Second
+	}
+	if cfg.Units <= 0 {
+		cfg.Units = 16
+	}
+	if cfg.TxDelay <= 0 {
+		cfg.TxDelay = 80 * time.Millisecond
+	}
+	if cfg.MaxFaults <= 0 {
+		cfg.MaxFaults = 3
+	}
+	if len(cfg.Faults) == 0 {
+		cfg.Faults = AllFaults
+	}
+	if cfg.Settle <= 0 {
+		cfg.Settle = 90 * time.Second
+	}
+	if cfg.Logf == nil {
+		cfg.Logf = tb.Logf
+	}
+	e := &env{tb: tb, cfg: cfg, rng: rand.New(rand.NewPCG(cfg.Seed, cfg.Seed^0x9e3779b97f4a7c15)), dir: cfg.Dir, logf: cfg.Logf}
+	if e.dir == "" {
+		e.dir = tb.TempDir()
+	} else if err := os.MkdirAll(e.dir, 0o755); err != nil {
+		tb.Fatal(err)
+	}
+	e.reported = map[string]bool{}
+	e.res = Result{Config: cfg, Faults: map[string]int{}, Skipped: map[string]int{}, Refused: map[string]int{}, Failovers: map[string][]time.Duration{}}
+	e.logf("chaos: seed %d, %d rounds, TTL %v, direct %t", cfg.Seed, cfg.Rounds, cfg.TTL, cfg.Direct)
+	begin := time.Now()
+	e.setup()
+	for r := 1; r <= cfg.Rounds; r++ {
+		if !e.round(r) {
+			break
+		}
+		e.res.Rounds = r
+	}
+	e.res.Elapsed = time.Since(begin)
+	return e.res
+}
+
+func (e *env) setup() {
+	tb := e.tb
+	bins := testenv.BuildGo(tb, e.dir, "./cmd/fenceproxy", "./cmd/chaos")
+	e.fenceBin, e.chaosBin = bins[0], bins[1]
+	tb.Cleanup(e.sweepWorkers)
+
+	// synchronous_commit on: testenv turns it off for speed, and an immediate shutdown
+	// would then lose acknowledged commits, which is PostgreSQL's documented trade-off and
+	// not what this campaign tests. fsync stays off: a process crash keeps the OS's cache.
+	e.pg = testenv.StartPostgres(tb, testenv.WithConf("wal_level", "logical"), testenv.WithConf("synchronous_commit", "on"))
+	e.pg.Exec(tb, "CREATE DATABASE "+database)
+	e.adminURL = e.pg.URLWithPassword(testenv.AdminUser, testenv.AdminPassword, database)
+	testenv.Migrate(tb, e.adminURL)
+	e.pg.CreateRole(tb, appRole, "")
+	e.admin(func(ctx context.Context, c *pgx.Conn) error {
+		_, err := c.Exec(ctx, schema)
+		if err == nil {
+			err = createSlot(ctx, c)
+		}
+		return err
+	})
+	e.dec = newDecoder(database, resource)
+	e.consul = testenv.StartConsul(tb)
+
+	keyFile := filepath.Join(e.dir, "proxy.key")
+	if err := os.WriteFile(keyFile, []byte(fmt.Sprintf("%x\n", []byte(testenv.Key))), 0o600); err != nil {
+		tb.Fatal(err)
+	}
+	pgAddr := fmt.Sprintf("%s:%d", e.pg.Host, e.pg.Port)
+	for i := range proxies {
+		h, err := faulthop.Start("", pgAddr)
+		if err != nil {
+			tb.Fatal(err)
+		}
+		e.pgHops[i] = h
+		tb.Cleanup(func() { _ = h.Close(context.Background()) })
+		control := fmt.Sprintf("postgres://%s:%s@%s/%s?sslmode=disable", testenv.AdminUser, testenv.AdminPassword, h.Addr, database)
+		e.proxies[i] = testenv.StartProxyProcess(tb, e.dir, fmt.Sprintf("proxy-%d", i+1), e.fenceBin,
+			"--upstream", "postgres://"+h.Addr, "--resource", resource+"="+lockKey, "--key-file", keyFile,
+			"--consul-addr", e.consul.Addr, "--control-database", control, "--log-level", "warn")
+		a, err := faulthop.Start("", e.proxies[i].Addr())
+		if err != nil {
+			tb.Fatal(err)
+		}
+		e.appHops[i] = a
+		tb.Cleanup(func() { _ = a.Close(context.Background()) })
+	}
+	if e.cfg.Direct {
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan struct{})
+		go func() { defer close(done); e.admitter(ctx) }()
+		tb.Cleanup(func() { cancel(); <-done })
+	}
+	for i := range replicas {
+		e.replicas[i] = testenv.StartProcess(tb, e.dir, fmt.Sprintf("replica-%d", i+1), e.replicaArgv(i), e.replicaEnv(i))
+	}
+	// Cleanups run last first: the workers go before the proxies and servers they use
+	// (a supervisor's end does not end its worker, which leads a process group of its own).
+	tb.Cleanup(e.sweepWorkers)
+}
+
+// schema is the workload: units that must each be done once, and the ledger that does
+// them. The trigger stamps each ledger row with the token its backend is bound to, read
+// from fence.bindings by PostgreSQL itself (NULL for an unbound backend).
+const schema = `
+CREATE TABLE units (id bigint PRIMARY KEY, round integer NOT NULL, done boolean NOT NULL DEFAULT false);
+CREATE TABLE ledger (
+    id          bigserial PRIMARY KEY,
+    unit_id     bigint NOT NULL,
+    token       bigint,
+    bound_token bigint,
+    attempt     text NOT NULL,
+    replica     text NOT NULL
+);
+CREATE FUNCTION ledger_bound_token() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    SELECT b.token INTO NEW.bound_token
+    FROM fence.bindings AS b
+    JOIN pg_stat_get_activity(pg_backend_pid()) AS a ON a.pid = b.pid AND a.backend_start = b.backend_start;
+    RETURN NEW;
+END
+$$;
+CREATE TRIGGER ledger_bound_token BEFORE INSERT ON ledger FOR EACH ROW EXECUTE FUNCTION ledger_bound_token();
+GRANT SELECT, UPDATE ON units TO app;
+GRANT SELECT, INSERT ON ledger TO app;
+GRANT USAGE ON SEQUENCE ledger_id_seq TO app;
+`
+
+func (e *env) replicaArgv(i int) []string {
+	hops := e.appHops
+	if e.cfg.Direct {
+		hops = e.pgHops
+	}
+	// Replicas spread over both proxies: each tries its own first, then the other.
+	first, second := hops[i%proxies], hops[(i+1)%proxies]
+	url := fmt.Sprintf("postgres://%s@%s,%s/%s?sslmode=disable&connect_timeout=5", appRole, first.Addr, second.Addr, database)
+	return []string{e.fenceBin, "lock", "--log-format", "console", "--resource", resource, "--key", lockKey,
+		"--consul-addr", e.consul.Addr, "--ttl", e.cfg.TTL.String(), "--grace", "2s",
+		"--database-url", url, "--", e.chaosBin, "worker"}
+}
+
+func (e *env) replicaEnv(i int) []string {
+	return []string{"PATH=" + os.Getenv("PATH"), "HOME=" + os.Getenv("HOME"),
+		"CHAOS_REPLICA=" + fmt.Sprintf("r%d", i+1),
+		"CHAOS_OUTCOMES=" + e.outcomesFile(i),
+		"CHAOS_TX_DELAY=" + e.cfg.TxDelay.String()}
+}
+
+func (e *env) outcomesFile(i int) string {
+	return filepath.Join(e.dir, fmt.Sprintf("replica-%d.outcomes", i+1))
+}
+
+// admin runs f on a fresh superuser connection to the campaign's database (a long-lived
+// one would not survive the server's restarts).
+func (e *env) admin(f func(context.Context, *pgx.Conn) error) {
+	e.tb.Helper()
+	if err := e.tryAdmin(f); err != nil {
+		e.tb.Fatalf("chaos: %v", err)
+	}
+}
+
+func (e *env) tryAdmin(f func(context.Context, *pgx.Conn) error) error {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, e.adminURL)
+	if err != nil {
+		return err
+	}
+	defer conn.Close(context.Background())
+	return f(ctx, conn)
+}
+
+// admitter is the negative control's stand-in for the proxies' raises: it stores every new
+// LockIndex of the lock in fence.tokens, so that the history has the raises a fenced run
+// would have, with nothing bound to enforce them.
+func (e *env) admitter(ctx context.Context) {
+	client, err := api.NewClient(&api.Config{Address: e.consul.Addr})
+	if err != nil {
+		return
+	}
+	var index, stored uint64
+	for ctx.Err() == nil {
+		q := (&api.QueryOptions{WaitIndex: index, WaitTime: 5 * time.Second, RequireConsistent: true}).WithContext(ctx)
+		kv, meta, err := client.KV().Get(lockKey, q)
+		if err != nil {
+			index = 0
+			pause(ctx, 100*time.Millisecond)
+			continue
+		}
+		index = meta.LastIndex
+		if kv == nil || kv.Session == "" || kv.LockIndex <= stored {
+			continue
+		}
+		for ctx.Err() == nil {
+			err := e.tryAdmin(func(ctx context.Context, c *pgx.Conn) error {
+				_, err := c.Exec(ctx, `SELECT fence.reset($1, $2)`, resource, int64(kv.LockIndex))
+				return err
+			})
+			if err == nil {
+				stored = kv.LockIndex
+				break
+			}
+			pause(ctx, 100*time.Millisecond)
+		}
+	}
+}
+
+func pause(ctx context.Context, d time.Duration) {
+	select {
+	case <-ctx.Done():
+	case <-time.After(d):
+	}
+}
+
+// action is one step of a round's fault timeline, at an offset from the round's start. A
+// step may add steps to the plan with env.later (the end of a freeze is timed from the
+// moment it began, which waiting for a leader may have delayed).
+type action struct {
+	at   time.Duration
+	name string
+	do   func()
+}
+
+// later adds a to the running round's plan.
+func (e *env) later(a action) { e.added = append(e.added, a) }
+
+// since is the offset from the running round's start.
+func (e *env) since() time.Duration { return time.Since(e.roundStart) }
+
+// round runs round r; false stops the campaign (a hang: the state is unknown).
+func (e *env) round(r int) bool {
+	first := int64((r - 1) * e.cfg.Units)
+	e.admin(func(ctx context.Context, c *pgx.Conn) error {
+		_, err := c.Exec(ctx, `INSERT INTO units (id, round) SELECT g, $1 FROM generate_series($2::bigint, $3::bigint) AS g`,
+			r, first+1, first+int64(e.cfg.Units))
+		return err
+	})
+	for u := first + 1; u <= first+int64(e.cfg.Units); u++ {
+		e.required = append(e.required, strconv.FormatInt(u, 10))
+	}
+
+	kinds := e.draw()
+	var plan []action
+	for _, k := range kinds {
+		// Within the first TTL: while the round's units are being worked on.
+		plan = append(plan, e.fault(r, k, time.Duration(e.rng.Int64N(int64(e.cfg.TTL))))...)
+	}
+	e.logf("chaos: round %d: %s", r, strings.Join(kinds, " "))
+	e.roundStart = time.Now()
+	for len(plan) > 0 {
+		sort.SliceStable(plan, func(i, j int) bool { return plan[i].at < plan[j].at })
+		a := plan[0]
+		plan = plan[1:]
+		for wait := a.at - e.since(); wait > 0; wait = a.at - e.since() {
+			e.supervise()
+			time.Sleep(min(wait, 50*time.Millisecond))
+		}
+		a.do()
+		plan = append(plan, e.added...)
+		e.added = nil
+	}
+	e.healAll()
+
+	// Every unit of the round done, within the bound.
+	deadline := time.Now().Add(e.cfg.Settle)
+	for {
+		e.supervise()
+		var pending int
+		if err := e.tryAdmin(func(ctx context.Context, c *pgx.Conn) error {
+			return c.QueryRow(ctx, `SELECT count(*) FROM units WHERE NOT done`).Scan(&pending)
+		}); err == nil && pending == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			e.fail(r, fmt.Sprintf("hang: %d units still pending %v after the faults were healed; %s", pending, e.cfg.Settle, e.activity()))
+			e.collect(r)
+			return false
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	e.checkBackends(r)
+	e.collect(r)
+	return true
+}
+
+// draw picks 1 to MaxFaults distinct kinds.
+func (e *env) draw() []string {
+	n := 1 + e.rng.IntN(e.cfg.MaxFaults)
+	perm := e.rng.Perm(len(e.cfg.Faults))
+	var kinds []string
+	if e.cfg.Always != "" {
+		kinds = append(kinds, e.cfg.Always)
+	}
+	for _, i := range perm {
+		if len(kinds) >= n {
+			break
+		}
+		if k := e.cfg.Faults[i]; !slices.Contains(kinds, k) {
+			kinds = append(kinds, k)
+		}
+	}
+	return kinds
+}
+
+// fault is the timeline of one fault injected at t0.
+func (e *env) fault(r int, kind string, t0 time.Duration) []action {
+	ttl := e.cfg.TTL
+	span := func(lo, hi time.Duration) time.Duration { return lo + time.Duration(e.rng.Int64N(int64(hi-lo)+1)) }
+	hop := func(app bool) *faulthop.Hop {
+		i := e.rng.IntN(proxies)
+		if app && !e.cfg.Direct {
+			return e.appHops[i]
+		}
+		return e.pgHops[i]
+	}
+	switch kind {
+	case FreezeShort, FreezeTTL, FreezeLong:
+		d := map[string]time.Duration{FreezeShort: ttl / 2, FreezeTTL: ttl, FreezeLong: 3 * ttl}[kind]
+		return []action{{t0, kind, func() {
+			i, w, token, ok := e.awaitLeader()
+			if !ok {
+				e.res.Skipped[kind]++
+				return
+			}
+			// Mostly in the middle of a unit, where a late commit does harm; sometimes
+			// wherever the leader is.
+			if e.rng.IntN(4) > 0 && e.midTransaction(w, ttl) {
+				e.res.Faults[kind+" mid-transaction"]++
+			}
+			if i >= 0 {
+				e.frozen[i] = true
+				_ = e.replicas[i].Signal(syscall.SIGSTOP)
+			}
+			_ = syscall.Kill(-w, syscall.SIGSTOP)
+			e.res.Faults[kind]++
+			if kind != FreezeShort {
+				e.probes = append(e.probes, probe{kind: kind, at: time.Now(), token: token, round: r})
+			}
+			e.later(action{e.since() + d, kind + " end", func() {
+				_ = syscall.Kill(-w, syscall.SIGCONT)
+				if i >= 0 {
+					_ = e.replicas[i].Signal(syscall.SIGCONT)
+					e.frozen[i] = false
+				}
+			}})
+		}}}
+	case KillLeader, KillWorker, KillSupervisor:
+		return []action{{t0, kind, func() {
+			i, w, token, ok := e.awaitLeader()
+			if !ok || (i < 0 && kind == KillSupervisor) {
+				e.res.Skipped[kind]++
+				return
+			}
+			if kind != KillSupervisor {
+				_ = syscall.Kill(-w, syscall.SIGKILL)
+			}
+			if kind != KillWorker && i >= 0 {
+				// Its process group only: the worker leads a group of its own.
+				e.replicas[i].Kill(e.tb)
+			}
+			e.res.Faults[kind]++
+			e.probes = append(e.probes, probe{kind: kind, at: time.Now(), token: token, round: r})
+		}}}
+	case KillProxy:
+		p := e.proxies[e.rng.IntN(proxies)]
+		return []action{
+			{t0, kind, func() { p.Kill(e.tb); e.res.Faults[kind]++ }},
+			{t0 + span(100*time.Millisecond, ttl), kind + " end", func() {
+				if !p.Running() {
+					p.Start(e.tb)
+					p.WaitListening(e.tb)
+				}
+			}},
+		}
+	case FreezeProxy:
+		p := e.proxies[e.rng.IntN(proxies)]
+		return []action{
+			{t0, kind, func() { _ = p.Signal(syscall.SIGSTOP); e.res.Faults[kind]++ }},
+			{t0 + span(ttl/2, 3*ttl), kind + " end", func() { _ = p.Signal(syscall.SIGCONT) }},
+		}
+	case PGRestartFast, PGRestartImmediate:
+		return []action{
+			{t0, kind, func() {
+				if kind == PGRestartFast {
+					e.pg.Stop(e.tb)
+				} else {
+					e.pg.Kill(e.tb)
+				}
+				e.res.Faults[kind]++
+			}},
+			{t0 + span(0, ttl), kind + " end", func() {
+				if !e.pg.Running() {
+					e.pg.Start(e.tb)
+				}
+			}},
+		}
+	case ConsulRestart:
+		return []action{
+			{t0, kind, func() { e.consul.Stop(e.tb); e.res.Faults[kind]++ }},
+			{t0 + span(0, ttl), kind + " end", func() {
+				if !e.consul.Running() {
+					e.consul.Start(e.tb)
+				}
+			}},
+		}
+	case DelayApp, DelayPG, LossApp, LossPG, StallApp, StallPG:
+		h := hop(kind == DelayApp || kind == LossApp || kind == StallApp)
+		d := span(ttl/2, 2*ttl)
+		return []action{
+			{t0, kind, func() {
+				switch kind {
+				case DelayApp, DelayPG:
+					h.SetDelay(span(5*time.Millisecond, 150*time.Millisecond))
+				case LossApp, LossPG:
+					h.SetLoss(0.02 + 0.2*e.rng.Float64())
+				default:
+					h.Stall(d)
+				}
+				e.res.Faults[kind]++
+			}},
+			{t0 + d, kind + " end", h.Heal},
+		}
+	case CutApp, CutPG:
+		h := hop(kind == CutApp)
+		return []action{{t0, kind, func() { h.Cut(); e.res.Faults[kind]++ }}}
+	}
+	e.tb.Fatalf("chaos: unknown fault %q", kind)
+	return nil
+}
+
+// midTransaction waits up to within until worker's backend is inside a transaction (idle
+// in it: the worker's pause between its INSERT and its UPDATE), and reports whether it is.
+func (e *env) midTransaction(worker int, within time.Duration) bool {
+	var in bool
+	_ = e.tryAdmin(func(ctx context.Context, c *pgx.Conn) error {
+		deadline := time.Now().Add(within)
+		for time.Now().Before(deadline) {
+			err := c.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_stat_activity WHERE application_name = $1 AND state = 'idle in transaction')`,
+				fmt.Sprintf("chaos-worker-%d", worker)).Scan(&in)
+			if err != nil || in {
+				return err
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+		return nil
+	})
+	return in
+}
+
+// healAll undoes whatever a round left: every process running and awake, every link clean.
+func (e *env) healAll() {
+	for i, p := range e.replicas {
+		_ = p.Signal(syscall.SIGCONT)
+		e.frozen[i] = false
+	}
+	for _, pid := range e.workers() {
+		_ = syscall.Kill(pid, syscall.SIGCONT)
+	}
+	for _, h := range append(e.pgHops[:], e.appHops[:]...) {
+		h.Heal()
+	}
+	if !e.pg.Running() {
+		e.pg.Start(e.tb)
+	}
+	if !e.consul.Running() {
+		e.consul.Start(e.tb)
+	}
+	for _, p := range e.proxies {
+		_ = p.Signal(syscall.SIGCONT)
+		if !p.Running() {
+			p.Start(e.tb)
+			p.WaitListening(e.tb)
+		}
+	}
+	e.supervise()
+}
+
+// supervise starts again every replica whose `fenceproxy lock` exited (lost its lock, its
+// worker was fenced off, or a fault killed it), unless a fault holds it frozen.
+func (e *env) supervise() {
+	for i, p := range e.replicas {
+		if !e.frozen[i] && !p.Running() {
+			p.Start(e.tb)
+		}
+	}
+}
