@@ -112,10 +112,15 @@ BEGIN
             MESSAGE = format('malformed lease holder: %s (a holder is 1 to 200 characters)', quote_nullable($2));
     END IF;
     -- (L5) A lease held for ever would stop every failover; too short a one cannot be renewed.
-    IF $3 IS NOT NULL AND ($3 < interval '1 second' OR $3 > interval '24 hours') THEN
+    -- Only a time part: interval comparison counts a month as 30 days, but adding months and
+    -- days to a timestamp follows the calendar, so '1200 mon -35999 days' compares equal to
+    -- a day and expires about 525 days later.
+    IF $3 IS NOT NULL AND ($3 < interval '1 second' OR $3 > interval '24 hours'
+                           OR extract(year FROM $3) <> 0 OR extract(month FROM $3) <> 0
+                           OR extract(day FROM $3) <> 0) THEN
         RAISE EXCEPTION USING
             ERRCODE = 'ZF004',
-            MESSAGE = format('malformed lease TTL: %s (a TTL is 1 second to 24 hours)', $3);
+            MESSAGE = format('malformed lease TTL: %s (a TTL is 1 second to 24 hours, in hours, minutes and seconds)', $3);
     END IF;
 END
 $fn$;

@@ -1615,7 +1615,10 @@ func TestV2StaleSessionMidResult(t *testing.T) {
 						}
 						answered = true
 					}
-					if m.Type == "ReadyForQuery" && !probed {
+					// A client's next unit: after the first ReadyForQuery,
+					// or after a FATAL (the proxy keeps the connection for
+					// it).
+					if (m.Type == "ReadyForQuery" || m.Type == "ErrorResponse" && m.Err.Severity == "FATAL") && !probed {
 						probed = true
 						s.send(v2Probe()...) //nolint:errcheck
 					}

@@ -6,7 +6,7 @@
 \ir _psql.psql
 
 BEGIN;
-SELECT plan(61);
+SELECT plan(63);
 \ir _helpers.psql
 
 CREATE ROLE tap_nobody_lease NOLOGIN;
@@ -102,8 +102,12 @@ SELECT is(pg_temp.acquire('a', 'tap-lease-c', 'h1', '10 s'), 'true 35 h1', 'the 
 
 -- Malformed arguments.
 SELECT throws_ok($$SELECT pg_temp.acquire('a', 'tap-lease', 'h1', '0.5 s')$$, 'ZF004',
-    'malformed lease TTL: 00:00:00.5 (a TTL is 1 second to 24 hours)', 'a TTL below 1 s is ZF004');
+    'malformed lease TTL: 00:00:00.5 (a TTL is 1 second to 24 hours, in hours, minutes and seconds)', 'a TTL below 1 s is ZF004');
 SELECT throws_ok($$SELECT pg_temp.acquire('a', 'tap-lease', 'h1', '25 hours')$$, 'ZF004', NULL, 'a TTL above 24 h is ZF004 (L5)');
+SELECT throws_ok($$SELECT pg_temp.acquire('a', 'tap-lease', 'h1', '1200 mon -35999 days')$$, 'ZF004', NULL,
+    'a TTL of months and days that compares equal to a day is ZF004 (it would expire ~525 days later)');
+SELECT throws_ok($$SELECT pg_temp.renew('a', 'tap-lease', 'h1', 1, '1200 mon -35999 days')$$, 'ZF004', NULL,
+    '... in a renewal too');
 SELECT throws_ok($$SELECT pg_temp.renew('a', 'tap-lease', 'h2', 3, '48 hours')$$, 'ZF004', NULL, '... also for a renewal');
 SELECT throws_ok($$SELECT pg_temp.acquire('a', 'tap-lease', '', '10 s')$$, 'ZF004', NULL, 'an empty holder is ZF004');
 SELECT throws_ok($$SELECT pg_temp.acquire('a', 'Tap', 'h1', '10 s')$$, 'ZF004', NULL, 'a malformed resource is ZF004');
