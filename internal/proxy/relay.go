@@ -136,22 +136,13 @@ func (sess *session) end(resp *pgproto3.ErrorResponse) {
 // (answering: false) is told at once with a FATAL, which drivers that read
 // while idle (LISTEN) see, and its next unit gets the error again.
 func (sess *session) endFencing(fe *fence.Error, answering bool) {
-	sess.endLingering(fe.Response(wire.SeverityError), answering, true, fe.Code)
-}
-
-// endLingering is endFencing's work for any error resp (in its ERROR form):
-// the units waiting get it as an ERROR and a ReadyForQuery each (perUnit), or
-// once as a FATAL (also an idle client, unless answering), and the connection
-// lingers for answerEnded. rejection, if not empty, is counted as one.
-func (sess *session) endLingering(resp *pgproto3.ErrorResponse, answering, perUnit bool, rejection string) {
 	sess.endOnce.Do(func() {
 		sess.ended.Store(true)
 		close(sess.endedCh)
-		if rejection != "" {
-			sess.srv.metrics.rejection(rejection)
-		}
+		sess.srv.metrics.rejection(fe.Code)
 		// The server first: nothing it still sends may follow the error.
 		sess.server.Close()
+		resp := fe.Response(wire.SeverityError)
 		// Before cwMu: a relayed write blocked on a client that does not
 		// read, holding it, fails by then.
 		sess.client.SetWriteDeadline(time.Now().Add(time.Second)) //nolint:errcheck
@@ -172,15 +163,13 @@ func (sess *session) endLingering(resp *pgproto3.ErrorResponse, answering, perUn
 		sess.mu.Unlock()
 		var err error
 		switch {
-		case waiting > 0 && perUnit:
+		case waiting > 0:
 			body := wire.AppendError(nil, resp)[5:]
 			for range waiting {
 				err = errors.Join(err, wire.WriteMessage(sess.cw, 'E', body), wire.WriteMessage(sess.cw, 'Z', []byte{'I'}))
 			}
-		case waiting > 0 || !answering:
-			fatal := *resp
-			fatal.Severity, fatal.SeverityUnlocalized = wire.SeverityFatal, wire.SeverityFatal
-			err = wire.WriteMessage(sess.cw, 'E', wire.AppendError(nil, &fatal)[5:])
+		case !answering:
+			err = wire.WriteMessage(sess.cw, 'E', wire.AppendError(nil, fe.Response(wire.SeverityFatal))[5:])
 		}
 		err = errors.Join(err, sess.cw.Flush())
 		sess.cwMu.Unlock()
@@ -337,12 +326,7 @@ func (sess *session) explainServerEnd() {
 			Message: "fenceproxy: the server closed the connection"}
 	}
 	resp.Hint = fmt.Sprintf("fenceproxy: a raise of resource %q ends the sessions of lower tokens this way; if this process may have lost its lock, stop writing and acquire it again.", sess.cred.Resource)
-	// The server's FATAL, and then the connection kept as after a fencing
-	// error: a frozen client that wakes and sends its next unit reads the
-	// error (and its SQLSTATE) instead of a reset.
-	unit := *resp
-	unit.Severity, unit.SeverityUnlocalized = wire.SeverityError, wire.SeverityError
-	sess.endLingering(&unit, false, false, "")
+	sess.end(resp)
 }
 
 // askSettled asks the database, on the control connection, for the session's

@@ -1615,10 +1615,7 @@ func TestV2StaleSessionMidResult(t *testing.T) {
 						}
 						answered = true
 					}
-					// A client's next unit: after the first ReadyForQuery,
-					// or after a FATAL (the proxy keeps the connection for
-					// it).
-					if (m.Type == "ReadyForQuery" || m.Type == "ErrorResponse" && m.Err.Severity == "FATAL") && !probed {
+					if m.Type == "ReadyForQuery" && !probed {
 						probed = true
 						s.send(v2Probe()...) //nolint:errcheck
 					}
