@@ -173,8 +173,10 @@ func (sess *session) start(ctx context.Context, clients int64) error {
 	})
 	err := sess.login(loginCtx, clients)
 	// The upstream connection's own deadline is the login deadline too (login
-	// sets it): its read may fail before the AfterFunc runs.
-	if !stop() || timedOut.Load() || errors.Is(loginCtx.Err(), context.DeadlineExceeded) {
+	// sets it): its read may fail before the AfterFunc runs, and before the
+	// context itself says it is done.
+	dl, _ := loginCtx.Deadline()
+	if !stop() || timedOut.Load() || !time.Now().Before(dl) {
 		if sess.mode == modeFenced && sess.pid != 0 {
 			// The bind may still be running (its raise waiting for a stale
 			// backend to exit): cancel it, or it could commit a raise that
