@@ -347,24 +347,41 @@ func (sess *session) askSettled() bool {
 	// answer means the control database is in trouble too.
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	var stored int64
-	err := srv.control.AcquireFunc(ctx, func(c *pgxpool.Conn) error {
-		var err error
-		stored, err = srv.cfg.Key.Settled(ctx, c.Conn(), sess.cred.Resource, sess.cred.Token)
-		return err
-	})
-	var pgErr *pgconn.PgError
-	switch {
-	case err == nil:
-		srv.reg.Observe(sess.database, sess.cred.Resource, stored)
-		return true
-	case errors.As(err, &pgErr) && strings.HasPrefix(pgErr.Code, "57"), errors.Is(err, syscall.ECONNREFUSED):
-		sess.log.Info("the server is going away: the session's end was not a raise's", zap.Error(err))
-		return true
-	default:
-		sess.log.Warn("could not ask the control database whether a raise ended the session", zap.Error(err))
-		return false
+	var err error
+	// Twice at most: an error that says the server is going away may be the
+	// pooled connection's alone (ended while idle, by an administrator or
+	// idle_session_timeout, and reported at its next use); pgx closes such a
+	// connection, so the second question goes on another one, and only its
+	// answer can say that the server itself is going away.
+	for range 2 {
+		var stored int64
+		err = srv.control.AcquireFunc(ctx, func(c *pgxpool.Conn) error {
+			var err error
+			stored, err = srv.cfg.Key.Settled(ctx, c.Conn(), sess.cred.Resource, sess.cred.Token)
+			return err
+		})
+		if err == nil {
+			sess.log.Debug("asked whether a raise ended the session", zap.Int64("stored", stored))
+			srv.reg.Observe(sess.database, sess.cred.Resource, stored)
+			return true
+		}
+		if !goingAway(err) {
+			break
+		}
 	}
+	if goingAway(err) {
+		sess.log.Warn("the server is going away: the session's end was not a raise's", zap.Error(err))
+		return true
+	}
+	sess.log.Warn("could not ask the control database whether a raise ended the session", zap.Error(err))
+	return false
+}
+
+// goingAway reports whether err says the server is shutting down or refuses
+// connections (SQLSTATE class 57, or a refused connection).
+func goingAway(err error) bool {
+	var pgErr *pgconn.PgError
+	return (errors.As(err, &pgErr) && strings.HasPrefix(pgErr.Code, "57")) || errors.Is(err, syscall.ECONNREFUSED)
 }
 
 // ---------------------------------------------------------------------

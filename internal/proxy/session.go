@@ -160,23 +160,36 @@ func (sess *session) start(ctx context.Context, clients int64) error {
 	s := sess.srv
 	loginCtx, cancel := context.WithTimeout(ctx, s.cfg.LoginTimeout)
 	defer cancel()
-	var timedOut atomic.Bool
 	// The raw connection: login replaces sess.client after a TLS handshake,
 	// and a deadline on the raw connection stops TLS reads too.
 	raw := sess.client
+	var mu sync.Mutex // held by the AfterFunc while it runs
+	timedOut := false
 	stop := context.AfterFunc(loginCtx, func() {
-		timedOut.Store(true)
+		mu.Lock()
+		defer mu.Unlock()
+		timedOut = true
 		raw.SetDeadline(time.Now()) //nolint:errcheck
 		if sc := sess.serverConn(); sc != nil {
 			sc.SetDeadline(time.Now()) //nolint:errcheck
 		}
 	})
 	err := sess.login(loginCtx, clients)
+	stop()
+	mu.Lock() // an AfterFunc that started has finished
+	defer mu.Unlock()
+	if err == nil {
+		// The client has its ReadyForQuery: the session started, whatever
+		// the clock says now. Deadlines the AfterFunc set are lifted.
+		sess.client.SetDeadline(time.Time{}) //nolint:errcheck
+		sess.server.SetDeadline(time.Time{}) //nolint:errcheck
+		return nil
+	}
 	// The upstream connection's own deadline is the login deadline too (login
 	// sets it): its read may fail before the AfterFunc runs, and before the
 	// context itself says it is done.
 	dl, _ := loginCtx.Deadline()
-	if !stop() || timedOut.Load() || !time.Now().Before(dl) {
+	if timedOut || !time.Now().Before(dl) {
 		if sess.mode == modeFenced && sess.pid != 0 {
 			// The bind may still be running (its raise waiting for a stale
 			// backend to exit): cancel it, or it could commit a raise that
@@ -191,12 +204,7 @@ func (sess *session) start(ctx context.Context, clients int64) error {
 		}
 		return fatalf(wire.CodeProtocolViolation, "login timeout: startup and authentication took longer than %s (fenceproxy --login-timeout)", s.cfg.LoginTimeout)
 	}
-	if err != nil {
-		return err
-	}
-	sess.client.SetDeadline(time.Time{}) //nolint:errcheck
-	sess.server.SetDeadline(time.Time{}) //nolint:errcheck
-	return nil
+	return err
 }
 
 func (sess *session) serverConn() net.Conn {

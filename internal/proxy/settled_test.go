@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/fenceproxy/fenceproxy/internal/proxy"
+	"github.com/fenceproxy/fenceproxy/internal/testenv"
 	"github.com/fenceproxy/fenceproxy/internal/wire"
 )
 
@@ -20,7 +21,7 @@ func TestServerEndExplainedByAsking(t *testing.T) {
 	t.Parallel()
 	pg, admin := fencedDB(t)
 	a := fencedProxy(t, pg, func(c *proxy.Config) {
-		c.ControlDatabase = pg.AdminURL()
+		c.ControlDatabase = pg.URLWithPassword(testenv.AdminUser, testenv.AdminPassword, "postgres", "application_name=control")
 		c.StaleWait = time.Minute
 	})
 	b := fencedProxy(t, pg)
@@ -69,5 +70,16 @@ func TestServerEndExplainedByAsking(t *testing.T) {
 	}
 	if got := a.Registry.Highest("postgres", "billing"); got != 7 {
 		t.Fatalf("proxy a's registry says %d after asking, want 7", got)
+	}
+	// The control connections (the pool's, idle now, and the listener's) are
+	// ended by an administrator; the pool hears of it only when it next uses
+	// one. The next raise must still be explained: an error that says the
+	// server is going away on a pooled connection is asked again on another.
+	endControl := func(pid uint32) {
+		connect(t, b.FenceURL("app", "postgres", "billing", 8))
+	}
+	mustExec(t, admin, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'control'")
+	if code := step("busy session, raise after the control connections were ended", 7, 0, true, endControl); code != "ZF001" {
+		t.Fatalf("busy session ended by a raise after the control connections were ended: SQLSTATE %q, want ZF001", code)
 	}
 }
