@@ -53,11 +53,15 @@ const (
 	StallPG            = "stall-pg"
 	CutApp             = "cut-app"
 	CutPG              = "cut-pg"
+	// ClockJump jumps the clock of every replica's lease keep-alive forward by 2 to 5 x TTL,
+	// then back by 4 to 10 x TTL (behind the true time by 2 to 5 x TTL), then to the true
+	// time (lease.OffsetFileClock: a Go program's clock is beyond libfaketime's reach).
+	ClockJump = "clock-jump"
 )
 
 // AllFaults are the kinds a round draws from by default.
 var AllFaults = []string{FreezeShort, FreezeTTL, FreezeLong, KillLeader, KillWorker, KillSupervisor, KillProxy, FreezeProxy, PGRestartFast,
-	PGRestartImmediate, ConsulRestart, DelayApp, DelayPG, LossApp, LossPG, StallApp, StallPG, CutApp, CutPG}
+	PGRestartImmediate, ConsulRestart, DelayApp, DelayPG, LossApp, LossPG, StallApp, StallPG, CutApp, CutPG, ClockJump}
 
 // Config is a campaign. Zero values mean the defaults.
 type Config struct {
@@ -289,7 +293,17 @@ func (e *env) replicaArgv(i int) []string {
 	url := fmt.Sprintf("postgres://%s@%s,%s/%s?sslmode=disable&connect_timeout=5", appRole, first.Addr, second.Addr, database)
 	return []string{e.fenceBin, "lock", "--log-format", "console", "--resource", resource, "--key", lockKey,
 		"--consul-addr", e.consul.Addr, "--ttl", e.cfg.TTL.String(), "--grace", "2s",
-		"--database-url", url, "--", e.chaosBin, "worker"}
+		"--database-url", url, "--clock-offset-file", e.clockFile(), "--", e.chaosBin, "worker"}
+}
+
+// clockFile holds the replicas' clock offset (ClockJump rewrites it; no file: none).
+func (e *env) clockFile() string { return filepath.Join(e.dir, "clock.offset") }
+
+// setClock shifts the replicas' lease clocks to offset from the true time.
+func (e *env) setClock(offset time.Duration) {
+	if err := os.WriteFile(e.clockFile(), []byte(offset.String()+"\n"), 0o644); err != nil {
+		e.tb.Fatalf("chaos: %v", err)
+	}
 }
 
 func (e *env) replicaEnv(i int) []string {
@@ -573,6 +587,14 @@ func (e *env) fault(r int, kind string, t0 time.Duration) []action {
 			}},
 			{t0 + d, kind + " end", h.Heal},
 		}
+	case ClockJump:
+		ahead, behind := span(2*ttl, 5*ttl), -span(2*ttl, 5*ttl)
+		t1 := t0 + span(ttl/2, ttl)
+		return []action{
+			{t0, kind, func() { e.setClock(ahead); e.res.Faults[kind]++ }},
+			{t1, kind + " back", func() { e.setClock(behind) }},
+			{t1 + span(ttl/2, ttl), kind + " end", func() { e.setClock(0) }},
+		}
 	case CutApp, CutPG:
 		h := hop(kind == CutApp)
 		return []action{{t0, kind, func() { h.Cut(); e.res.Faults[kind]++ }}}
@@ -602,6 +624,7 @@ func (e *env) midTransaction(worker int, within time.Duration) bool {
 
 // healAll undoes whatever a round left: every process running and awake, every link clean.
 func (e *env) healAll() {
+	e.setClock(0)
 	for i, p := range e.replicas {
 		_ = p.Signal(syscall.SIGCONT)
 		e.frozen[i] = false
