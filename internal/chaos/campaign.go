@@ -103,6 +103,7 @@ type Result struct {
 	Violations []history.Violation
 	Failures   []string                   // round failures: violations, hangs, leaked backends
 	Failovers  map[string][]time.Duration // by fault: frozen (TTL or longer) or killed leader to the first commit of a higher token
+	Exited     map[string]int             // servers found exited with no fault stopping them, started again
 	Elapsed    time.Duration
 }
 
@@ -123,6 +124,9 @@ type env struct {
 	proxies  [proxies]*testenv.ProxyProcess
 	replicas [replicas]*testenv.Process
 	frozen   [replicas]bool
+	// pgDown, consulDown: a fault stopped the server and will start it again; supervise
+	// starts a server that exited without one (and counts it in Result.Exited).
+	pgDown, consulDown bool
 
 	dec      *decoder
 	required []string
@@ -181,7 +185,7 @@ func Run(tb testing.TB, cfg Config) Result {
 		tb.Fatal(err)
 	}
 	e.reported = map[string]bool{}
-	e.res = Result{Config: cfg, Faults: map[string]int{}, Skipped: map[string]int{}, Refused: map[string]int{}, Failovers: map[string][]time.Duration{}}
+	e.res = Result{Config: cfg, Faults: map[string]int{}, Skipped: map[string]int{}, Refused: map[string]int{}, Failovers: map[string][]time.Duration{}, Exited: map[string]int{}}
 	e.logf("chaos: seed %d, %d rounds, TTL %v, direct %t", cfg.Seed, cfg.Rounds, cfg.TTL, cfg.Direct)
 	begin := time.Now()
 	e.setup()
@@ -548,6 +552,7 @@ func (e *env) fault(r int, kind string, t0 time.Duration) []action {
 	case PGRestartFast, PGRestartImmediate:
 		return []action{
 			{t0, kind, func() {
+				e.pgDown = true
 				if kind == PGRestartFast {
 					e.pg.Stop(e.tb)
 				} else {
@@ -559,15 +564,17 @@ func (e *env) fault(r int, kind string, t0 time.Duration) []action {
 				if !e.pg.Running() {
 					e.pg.Start(e.tb)
 				}
+				e.pgDown = false
 			}},
 		}
 	case ConsulRestart:
 		return []action{
-			{t0, kind, func() { e.consul.Stop(e.tb); e.res.Faults[kind]++ }},
+			{t0, kind, func() { e.consulDown = true; e.consul.Stop(e.tb); e.res.Faults[kind]++ }},
 			{t0 + span(0, ttl), kind + " end", func() {
 				if !e.consul.Running() {
 					e.consul.Start(e.tb)
 				}
+				e.consulDown = false
 			}},
 		}
 	case DelayApp, DelayPG, LossApp, LossPG, StallApp, StallPG:
@@ -635,12 +642,7 @@ func (e *env) healAll() {
 	for _, h := range append(e.pgHops[:], e.appHops[:]...) {
 		h.Heal()
 	}
-	if !e.pg.Running() {
-		e.pg.Start(e.tb)
-	}
-	if !e.consul.Running() {
-		e.consul.Start(e.tb)
-	}
+	e.pgDown, e.consulDown = false, false
 	for _, p := range e.proxies {
 		_ = p.Signal(syscall.SIGCONT)
 		if !p.Running() {
@@ -654,6 +656,19 @@ func (e *env) healAll() {
 // supervise starts again every replica whose `fenceproxy lock` exited (lost its lock, its
 // worker was fenced off, or a fault killed it), unless a fault holds it frozen.
 func (e *env) supervise() {
+	// A server that exited with no fault stopping it (seen once in a long campaign: the
+	// Consul agent shut down on a SIGTERM that none of the campaign's faults sent) is
+	// started again and counted, so that the round goes on and the figures say so.
+	if !e.pgDown && !e.pg.Running() {
+		e.logf("chaos: PostgreSQL had exited with no fault stopping it; starting it again")
+		e.res.Exited["postgres"]++
+		e.pg.Start(e.tb)
+	}
+	if !e.consulDown && !e.consul.Running() {
+		e.logf("chaos: the Consul agent had exited with no fault stopping it; starting it again")
+		e.res.Exited["consul"]++
+		e.consul.Start(e.tb)
+	}
 	for i, p := range e.replicas {
 		if !e.frozen[i] && !p.Running() {
 			p.Start(e.tb)

@@ -199,6 +199,7 @@ func (c *Consul) args() []string {
 func (c *Consul) start(ctx context.Context) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	c.reapLocked()
 	if c.proc != nil {
 		return errors.New("already running")
 	}
@@ -463,9 +464,23 @@ func consulLogTail(path string, from int64) string {
 	return string(b)
 }
 
-// Running reports whether the agent is started (between Start and Stop).
+// Running reports whether the agent is started (between Start and Stop) and has not exited
+// on its own.
 func (c *Consul) Running() bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	c.reapLocked()
 	return c.proc != nil
+}
+
+// reapLocked forgets an agent that exited without Stop, so that Start can start it again.
+func (c *Consul) reapLocked() {
+	if c.proc == nil {
+		return
+	}
+	select {
+	case <-c.exited:
+		c.proc, c.exited, c.paused = nil, nil, false
+	default:
+	}
 }

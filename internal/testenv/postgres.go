@@ -297,6 +297,7 @@ func (p *Postgres) prepare() error {
 func (p *Postgres) start(ctx context.Context) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	p.reapLocked()
 	if p.proc != nil {
 		return errors.New("already running")
 	}
@@ -842,9 +843,24 @@ func pidFileDead(path string, missingIsDead bool) bool {
 	return errors.Is(syscall.Kill(pid, 0), syscall.ESRCH)
 }
 
-// Running reports whether the cluster is started (between Start and Stop or Kill).
+// Running reports whether the cluster is started (between Start and Stop or Kill) and has
+// not exited on its own.
 func (p *Postgres) Running() bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	p.reapLocked()
 	return p.proc != nil
+}
+
+// reapLocked forgets a postmaster that exited without Stop or Kill, so that Start can start
+// it again.
+func (p *Postgres) reapLocked() {
+	if p.proc == nil {
+		return
+	}
+	select {
+	case <-p.exited:
+		p.proc, p.exited = nil, nil
+	default:
+	}
 }
