@@ -33,7 +33,7 @@ func BuildGo(tb testing.TB, dir string, pkgs ...string) []string {
 // BuildGoContext is BuildGo returning an error. It must run inside the module (any folder
 // below go.mod).
 func BuildGoContext(ctx context.Context, dir string, pkgs ...string) ([]string, error) {
-	root, err := moduleRoot()
+	root, err := ModuleRoot()
 	if err != nil {
 		return nil, err
 	}
@@ -50,8 +50,9 @@ func BuildGoContext(ctx context.Context, dir string, pkgs ...string) ([]string, 
 	return bins, nil
 }
 
-// moduleRoot is the folder holding go.mod, above the working folder.
-func moduleRoot() (string, error) {
+// ModuleRoot is the folder holding go.mod, the working folder or above it: where a program
+// run from the source tree finds the files beside its code (the demo's SQL).
+func ModuleRoot() (string, error) {
 	dir, err := os.Getwd()
 	if err != nil {
 		return "", err
