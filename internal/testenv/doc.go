@@ -52,7 +52,7 @@
 //
 // The package owns starting, stopping and crashing servers and the addresses to reach
 // them. The product (cmd/fenceproxy and the packages it imports) must not import it; the
-// tests, the chaos campaign (internal/chaos), the demo and benchmark drivers
+// tests, the chaos campaign (internal/chaos), the demo (cmd/demo) and benchmark drivers
 // may. It must not mock what the servers decide: callers ask the real server.
 //
 // Missing binaries are an error that names `make deps` (a fatal test error in the TB
