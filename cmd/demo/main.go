@@ -75,7 +75,13 @@ func main() {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	err = run(ctx, c)
+	interrupted := ctx.Err() != nil
 	stop()
+	if interrupted {
+		// Everything the demo started is stopped and removed by now.
+		fmt.Println("demo: interrupted")
+		os.Exit(130)
+	}
 	if err != nil {
 		fmt.Printf("demo: FAILED: %v\n", err)
 		os.Exit(1)
