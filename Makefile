@@ -73,8 +73,9 @@ chaos: deps
 	CHAOS_ROUNDS=$(CHAOS_ROUNDS) CHAOS_CONTROL_ROUNDS=$(CHAOS_CONTROL_ROUNDS) \
 		$(GO) test -count=1 -timeout 0 -v -run '^TestCampaign$$' ./internal/chaos/
 
+# cmd/demo: the servers come from internal/testenv; `go run ./cmd/demo --help` lists its settings.
 demo: deps build
-	DEMO_STORE=$(STORE) DEMO_DEPS=0 bash scripts/demo.sh
+	$(GO) run ./cmd/demo --store $(STORE)
 
 bench: deps build
 	bash bench/bench.sh

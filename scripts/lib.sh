@@ -1,5 +1,5 @@
-# Shell helpers shared by scripts/deps.sh, scripts/demo.sh, scripts/psycopg-suite.sh and
-# bench/bench.sh: sourced, not run. The sourcing
+# Shell helpers shared by scripts/deps.sh, scripts/psycopg-suite.sh and bench/bench.sh:
+# sourced, not run. The sourcing
 # script sets `prog`, the prefix of its messages, first.
 
 say() { printf '%s: %s\n' "$prog" "$*"; }

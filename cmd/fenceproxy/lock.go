@@ -33,6 +33,9 @@ type LockCmd struct {
 	Grace     time.Duration `help:"After losing the lock: time between SIGTERM and SIGKILL to the command's process group." default:"10s" env:"FENCEPROXY_GRACE"`
 	OnLost    string        `help:"After losing the lock and stopping the command: retry (campaign again) or exit." name:"on-lost" enum:"retry,exit" default:"retry" env:"FENCEPROXY_ON_LOST"`
 
+	// A fault injection hook of the chaos campaign, hidden from --help: see lease.OffsetFileClock.
+	ClockOffsetFile string `help:"Fault injection: shift the clock that the Consul session's keep-alive reads by the duration in this file, read at every reading (--store consul)." name:"clock-offset-file" hidden:""`
+
 	Command []string `arg:"" passthrough:"" help:"Command to run, and its arguments (after --)."`
 }
 
@@ -72,5 +75,9 @@ func (c *LockCmd) store(log *zap.Logger) (lease.Store, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &lease.ConsulStore{Client: client, Key: c.Key, TTL: c.TTL, LockDelay: c.LockDelay, Logger: log}, nil
+	store := &lease.ConsulStore{Client: client, Key: c.Key, TTL: c.TTL, LockDelay: c.LockDelay, Logger: log}
+	if c.ClockOffsetFile != "" {
+		store.Clock = lease.OffsetFileClock(c.ClockOffsetFile)
+	}
+	return store, nil
 }

@@ -53,11 +53,15 @@ const (
 	StallPG            = "stall-pg"
 	CutApp             = "cut-app"
 	CutPG              = "cut-pg"
+	// ClockJump jumps the clock of every replica's lease keep-alive forward by 2 to 5 x TTL,
+	// then back by 4 to 10 x TTL (behind the true time by 2 to 5 x TTL), then to the true
+	// time (lease.OffsetFileClock: a Go program's clock is beyond libfaketime's reach).
+	ClockJump = "clock-jump"
 )
 
 // AllFaults are the kinds a round draws from by default.
 var AllFaults = []string{FreezeShort, FreezeTTL, FreezeLong, KillLeader, KillWorker, KillSupervisor, KillProxy, FreezeProxy, PGRestartFast,
-	PGRestartImmediate, ConsulRestart, DelayApp, DelayPG, LossApp, LossPG, StallApp, StallPG, CutApp, CutPG}
+	PGRestartImmediate, ConsulRestart, DelayApp, DelayPG, LossApp, LossPG, StallApp, StallPG, CutApp, CutPG, ClockJump}
 
 // Config is a campaign. Zero values mean the defaults.
 type Config struct {
@@ -99,6 +103,7 @@ type Result struct {
 	Violations []history.Violation
 	Failures   []string                   // round failures: violations, hangs, leaked backends
 	Failovers  map[string][]time.Duration // by fault: frozen (TTL or longer) or killed leader to the first commit of a higher token
+	Exited     map[string]int             // servers found exited with no fault stopping them, started again
 	Elapsed    time.Duration
 }
 
@@ -119,6 +124,9 @@ type env struct {
 	proxies  [proxies]*testenv.ProxyProcess
 	replicas [replicas]*testenv.Process
 	frozen   [replicas]bool
+	// pgDown, consulDown: a fault stopped the server and will start it again; supervise
+	// starts a server that exited without one (and counts it in Result.Exited).
+	pgDown, consulDown bool
 
 	dec      *decoder
 	required []string
@@ -177,7 +185,7 @@ func Run(tb testing.TB, cfg Config) Result {
 		tb.Fatal(err)
 	}
 	e.reported = map[string]bool{}
-	e.res = Result{Config: cfg, Faults: map[string]int{}, Skipped: map[string]int{}, Refused: map[string]int{}, Failovers: map[string][]time.Duration{}}
+	e.res = Result{Config: cfg, Faults: map[string]int{}, Skipped: map[string]int{}, Refused: map[string]int{}, Failovers: map[string][]time.Duration{}, Exited: map[string]int{}}
 	e.logf("chaos: seed %d, %d rounds, TTL %v, direct %t", cfg.Seed, cfg.Rounds, cfg.TTL, cfg.Direct)
 	begin := time.Now()
 	e.setup()
@@ -289,7 +297,17 @@ func (e *env) replicaArgv(i int) []string {
 	url := fmt.Sprintf("postgres://%s@%s,%s/%s?sslmode=disable&connect_timeout=5", appRole, first.Addr, second.Addr, database)
 	return []string{e.fenceBin, "lock", "--log-format", "console", "--resource", resource, "--key", lockKey,
 		"--consul-addr", e.consul.Addr, "--ttl", e.cfg.TTL.String(), "--grace", "2s",
-		"--database-url", url, "--", e.chaosBin, "worker"}
+		"--database-url", url, "--clock-offset-file", e.clockFile(), "--", e.chaosBin, "worker"}
+}
+
+// clockFile holds the replicas' clock offset (ClockJump rewrites it; no file: none).
+func (e *env) clockFile() string { return filepath.Join(e.dir, "clock.offset") }
+
+// setClock shifts the replicas' lease clocks to offset from the true time.
+func (e *env) setClock(offset time.Duration) {
+	if err := os.WriteFile(e.clockFile(), []byte(offset.String()+"\n"), 0o644); err != nil {
+		e.tb.Fatalf("chaos: %v", err)
+	}
 }
 
 func (e *env) replicaEnv(i int) []string {
@@ -534,6 +552,7 @@ func (e *env) fault(r int, kind string, t0 time.Duration) []action {
 	case PGRestartFast, PGRestartImmediate:
 		return []action{
 			{t0, kind, func() {
+				e.pgDown = true
 				if kind == PGRestartFast {
 					e.pg.Stop(e.tb)
 				} else {
@@ -545,15 +564,17 @@ func (e *env) fault(r int, kind string, t0 time.Duration) []action {
 				if !e.pg.Running() {
 					e.pg.Start(e.tb)
 				}
+				e.pgDown = false
 			}},
 		}
 	case ConsulRestart:
 		return []action{
-			{t0, kind, func() { e.consul.Stop(e.tb); e.res.Faults[kind]++ }},
+			{t0, kind, func() { e.consulDown = true; e.consul.Stop(e.tb); e.res.Faults[kind]++ }},
 			{t0 + span(0, ttl), kind + " end", func() {
 				if !e.consul.Running() {
 					e.consul.Start(e.tb)
 				}
+				e.consulDown = false
 			}},
 		}
 	case DelayApp, DelayPG, LossApp, LossPG, StallApp, StallPG:
@@ -572,6 +593,14 @@ func (e *env) fault(r int, kind string, t0 time.Duration) []action {
 				e.res.Faults[kind]++
 			}},
 			{t0 + d, kind + " end", h.Heal},
+		}
+	case ClockJump:
+		ahead, behind := span(2*ttl, 5*ttl), -span(2*ttl, 5*ttl)
+		t1 := t0 + span(ttl/2, ttl)
+		return []action{
+			{t0, kind, func() { e.setClock(ahead); e.res.Faults[kind]++ }},
+			{t1, kind + " back", func() { e.setClock(behind) }},
+			{t1 + span(ttl/2, ttl), kind + " end", func() { e.setClock(0) }},
 		}
 	case CutApp, CutPG:
 		h := hop(kind == CutApp)
@@ -602,6 +631,7 @@ func (e *env) midTransaction(worker int, within time.Duration) bool {
 
 // healAll undoes whatever a round left: every process running and awake, every link clean.
 func (e *env) healAll() {
+	e.setClock(0)
 	for i, p := range e.replicas {
 		_ = p.Signal(syscall.SIGCONT)
 		e.frozen[i] = false
@@ -612,12 +642,7 @@ func (e *env) healAll() {
 	for _, h := range append(e.pgHops[:], e.appHops[:]...) {
 		h.Heal()
 	}
-	if !e.pg.Running() {
-		e.pg.Start(e.tb)
-	}
-	if !e.consul.Running() {
-		e.consul.Start(e.tb)
-	}
+	e.pgDown, e.consulDown = false, false
 	for _, p := range e.proxies {
 		_ = p.Signal(syscall.SIGCONT)
 		if !p.Running() {
@@ -631,6 +656,19 @@ func (e *env) healAll() {
 // supervise starts again every replica whose `fenceproxy lock` exited (lost its lock, its
 // worker was fenced off, or a fault killed it), unless a fault holds it frozen.
 func (e *env) supervise() {
+	// A server that exited with no fault stopping it (seen once in a long campaign: the
+	// Consul agent shut down on a SIGTERM that none of the campaign's faults sent) is
+	// started again and counted, so that the round goes on and the figures say so.
+	if !e.pgDown && !e.pg.Running() {
+		e.logf("chaos: PostgreSQL had exited with no fault stopping it; starting it again")
+		e.res.Exited["postgres"]++
+		e.pg.Start(e.tb)
+	}
+	if !e.consulDown && !e.consul.Running() {
+		e.logf("chaos: the Consul agent had exited with no fault stopping it; starting it again")
+		e.res.Exited["consul"]++
+		e.consul.Start(e.tb)
+	}
 	for i, p := range e.replicas {
 		if !e.frozen[i] && !p.Running() {
 			p.Start(e.tb)

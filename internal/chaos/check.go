@@ -175,6 +175,9 @@ func (r Result) Report() string {
 	}
 	sort.Strings(kinds)
 	fmt.Fprintf(&b, "faults: %d (%s)\n", total, strings.Join(kinds, ", "))
+	if len(r.Exited) > 0 {
+		fmt.Fprintf(&b, "servers that exited with no fault stopping them (started again): %v\n", r.Exited)
+	}
 	if len(r.Skipped) > 0 {
 		fmt.Fprintf(&b, "faults skipped (no leader at that moment): %v\n", r.Skipped)
 	}

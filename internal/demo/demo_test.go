@@ -53,7 +53,7 @@ func repoRoot(t *testing.T) string {
 	}
 }
 
-// demoRun is what one run of scripts/demo.sh printed.
+// demoRun is what one run of the demo (cmd/demo) printed.
 type demoRun struct {
 	output   string
 	summary  map[string]int    // "customers charged" -> 12, ...
@@ -62,38 +62,39 @@ type demoRun struct {
 	keyFile  string            // the proxy key file of the local demo (composeKeyFile in compose)
 }
 
-// runDemo runs scripts/demo.sh with short timings (and env, VAR=VALUE, on top) and returns
-// what it printed; the script must exit 0 (it exits 1 when fencing let a duplicate through or
-// rejected nothing).
+// runDemo builds and runs cmd/demo with short timings (and env, VAR=VALUE, on top) and
+// returns what it printed; it must exit 0 (it exits 1 when fencing let a duplicate through
+// or rejected nothing).
 func runDemo(t *testing.T, customers int, env ...string) *demoRun {
 	t.Helper()
 	root := repoRoot(t)
+	bins := t.TempDir()
+	demo := testenv.BuildGo(t, bins, "./cmd/demo")[0]
 	ctx, cancel := context.WithTimeout(context.Background(), demoTimeout)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, "bash", "scripts/demo.sh")
+	cmd := exec.CommandContext(ctx, demo)
 	cmd.Dir = root
 	cmd.Env = append(os.Environ(),
-		"DEMO_DEPS=0", // `make test` ran scripts/deps.sh already
-		"DEMO_BIN_DIR="+t.TempDir(),
+		"DEMO_BIN_DIR="+bins,
 		"FENCEPROXY_CONSUL_BIN="+testenv.ConsulBinary(t),
 		"DEMO_CUSTOMERS="+strconv.Itoa(customers),
 		"DEMO_TX_DELAY=200ms",
 		"DEMO_STEP_DELAY=50ms",
 		"DEMO_CHARGES_BEFORE_FREEZE=2",
 		"DEMO_CHARGES_AFTER_TAKEOVER=2",
-		"DEMO_TIMEOUT=90",
+		"DEMO_TIMEOUT=90s",
 	)
 	cmd.Env = append(cmd.Env, env...)
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out
-	// On timeout: SIGTERM, so that the script's trap stops everything it started.
+	// On timeout: SIGTERM, so that the demo stops everything it started.
 	cmd.Cancel = func() error { return cmd.Process.Signal(syscall.SIGTERM) }
 	cmd.WaitDelay = time.Minute
 	start := time.Now()
 	err := cmd.Run()
-	t.Logf("scripts/demo.sh ran for %v", time.Since(start).Round(time.Second))
+	t.Logf("the demo ran for %v", time.Since(start).Round(time.Second))
 	if err != nil {
-		t.Fatalf("scripts/demo.sh: %v; its output:\n%s", err, out.String())
+		t.Fatalf("the demo: %v; its output:\n%s", err, out.String())
 	}
 	return parseDemo(t, out.String())
 }
@@ -141,14 +142,14 @@ func parseDemo(t *testing.T, output string) *demoRun {
 func TestDemo(t *testing.T) {
 	const customers = 12
 	r := runDemo(t, customers)
-	t.Logf("scripts/demo.sh output:\n%s", r.output)
+	t.Logf("demo output:\n%s", r.output)
 
 	t.Run("outcome", func(t *testing.T) { wantOutcome(t, r, customers) })
 	t.Run("timeline", func(t *testing.T) { wantTimeline(t, r, "lease store: consul") })
 
 	t.Run("compose runs the same commands", func(t *testing.T) {
 		if r.keyFile == "" {
-			t.Fatal(`scripts/demo.sh printed no "demo: proxy key file PATH" line`)
+			t.Fatal(`the demo printed no "demo: proxy key file PATH" line`)
 		}
 		compose := loadCompose(t)
 		for _, name := range append([]string{"migrate", "fenceproxy"}, replicas...) {
@@ -158,18 +159,18 @@ func TestDemo(t *testing.T) {
 					local, ok = r.services["fenced/"+name] // the replicas of the fenced run
 				}
 				if !ok {
-					t.Fatalf("scripts/demo.sh printed no command for service %s", name)
+					t.Fatalf("the demo printed no command for service %s", name)
 				}
 				env, args := r.localCommand(local)
 				svc := compose.Services[name]
 				if want := svc.composeCommand(); !slices.Equal(args, want) {
-					t.Errorf("command differs:\n  demo.sh:             %q\n  docker-compose.yml:  %q", args, want)
+					t.Errorf("command differs:\n  cmd/demo:            %q\n  docker-compose.yml:  %q", args, want)
 				}
 				if got, want := sortedKeys(env), sortedKeys(svc.Environment); !slices.Equal(got, want) {
-					t.Errorf("environment variables differ: demo.sh sets %q, docker-compose.yml %q", got, want)
+					t.Errorf("environment variables differ: cmd/demo sets %q, docker-compose.yml %q", got, want)
 				}
 				if env["BILLING_REPLICA"] != svc.Environment["BILLING_REPLICA"] {
-					t.Errorf("BILLING_REPLICA: demo.sh %q, docker-compose.yml %q",
+					t.Errorf("BILLING_REPLICA: cmd/demo %q, docker-compose.yml %q",
 						env["BILLING_REPLICA"], svc.Environment["BILLING_REPLICA"])
 				}
 			})
@@ -182,7 +183,7 @@ func TestDemo(t *testing.T) {
 func TestDemoPostgresStore(t *testing.T) {
 	const customers = 12
 	r := runDemo(t, customers, "DEMO_STORE=postgres", "DEMO_TTL=3s", "FENCEPROXY_CONSUL_BIN=/nonexistent")
-	t.Logf("scripts/demo.sh output:\n%s", r.output)
+	t.Logf("demo output:\n%s", r.output)
 	t.Run("outcome", func(t *testing.T) { wantOutcome(t, r, customers) })
 	t.Run("timeline", func(t *testing.T) { wantTimeline(t, r, "lease store: postgres", "demo: no Consul:") })
 	t.Run("no Consul", func(t *testing.T) {

@@ -302,6 +302,7 @@ type ConsulStore struct {
 	TTL       time.Duration // session TTL; default DefaultTTL
 	LockDelay time.Duration // session lock-delay; default DefaultLockDelay (0)
 	Logger    *zap.Logger   // nil: no logs
+	Clock     Clock         // the session keep-alive's clock; nil: time.Now
 }
 
 // Name is StoreConsul.
@@ -327,7 +328,7 @@ func (c *ConsulStore) Campaign(ctx context.Context, resource string) (Lease, err
 		ttl = DefaultTTL
 	}
 	sess, err := NewSession(context.WithoutCancel(ctx), c.Client,
-		WithTTL(ttl), WithLockDelay(c.LockDelay), WithLogger(log), WithName("fenceproxy lock "+resource))
+		WithTTL(ttl), WithLockDelay(c.LockDelay), WithLogger(log), WithName("fenceproxy lock "+resource), WithClock(c.Clock))
 	if err != nil {
 		return nil, err
 	}

@@ -29,6 +29,7 @@ type sessionConfig struct {
 	lockDelay time.Duration
 	name      string
 	log       *zap.Logger
+	now       Clock
 }
 
 // WithTTL sets the session TTL (default DefaultTTL; Consul accepts 10 s to 24 h unless its
@@ -48,6 +49,9 @@ func WithName(name string) SessionOption { return func(c *sessionConfig) { c.nam
 // WithLogger sets the logger for renewal failures and the session's end. Default: none.
 func WithLogger(l *zap.Logger) SessionOption { return func(c *sessionConfig) { c.log = l } }
 
+// WithClock sets the clock the keep-alive reads (see Clock). Default, and nil: time.Now.
+func WithClock(now Clock) SessionOption { return func(c *sessionConfig) { c.now = now } }
+
 // Session is a Consul session kept alive by renewing it every TTL/2. Locks are held by a
 // session: when it ends, they are released (behavior "release", so that the keys and
 // their LockIndex survive; "delete" would restart LockIndex at 1, a regression).
@@ -56,6 +60,7 @@ type Session struct {
 	id     string
 	ttl    time.Duration
 	log    *zap.Logger
+	now    Clock
 
 	done    chan struct{}
 	cancel  context.CancelFunc // stops the keep-alive
@@ -83,6 +88,9 @@ func NewSession(ctx context.Context, client *api.Client, opts ...SessionOption) 
 	if cfg.log == nil {
 		cfg.log = zap.NewNop()
 	}
+	if cfg.now == nil {
+		cfg.now = time.Now
+	}
 	// Not Session().Create: the api client leaves LockDelay out of the request when it
 	// is 0, and Consul then applies its default of 15 s. Sent as a string of
 	// milliseconds, which Consul parses as a duration ("0ms" is 0).
@@ -101,7 +109,7 @@ func NewSession(ctx context.Context, client *api.Client, opts ...SessionOption) 
 	}
 	id := out.ID
 	life, cancel := context.WithCancel(ctx)
-	s := &Session{client: client, id: id, ttl: cfg.ttl, log: cfg.log, done: make(chan struct{}), cancel: cancel}
+	s := &Session{client: client, id: id, ttl: cfg.ttl, log: cfg.log, now: cfg.now, done: make(chan struct{}), cancel: cancel}
 	go s.keepAlive(life)
 	return s, nil
 }
@@ -155,7 +163,7 @@ func (s *Session) keepAlive(ctx context.Context) {
 	defer close(s.done)
 	sessions := s.client.Session()
 	ttl := s.ttl
-	lastOK := time.Now()
+	lastOK := s.now()
 	wait := ttl / 2
 	for {
 		t := time.NewTimer(wait)
@@ -179,8 +187,10 @@ func (s *Session) keepAlive(ctx context.Context) {
 		deadline := lastOK.Add(ttl)
 		// Consul restarts the TTL when it receives the renewal, which is after this
 		// moment: counting from here errs on the early side.
-		sent := time.Now()
-		rctx, cancel := context.WithDeadline(ctx, deadline)
+		sent := s.now()
+		// A timeout measured by s.now (context deadlines follow time.Now): a clock that
+		// jumped past the deadline leaves no time to renew.
+		rctx, cancel := context.WithTimeout(ctx, deadline.Sub(sent))
 		entry, _, err := sessions.Renew(s.id, (&api.WriteOptions{}).WithContext(rctx))
 		cancel()
 		switch {
@@ -190,13 +200,13 @@ func (s *Session) keepAlive(ctx context.Context) {
 			s.end(fmt.Errorf("%w: session %s was invalidated by Consul", ErrSessionExpired, s.id))
 			s.log.Warn("consul session invalidated", zap.String("session", s.id))
 			return
-		case err != nil && !time.Now().Before(deadline):
+		case err != nil && !s.now().Before(deadline):
 			s.end(fmt.Errorf("%w: session %s not renewed for %v: %w", ErrSessionExpired, s.id, ttl, err))
 			s.log.Warn("consul session lost: not renewed within its TTL", zap.String("session", s.id), zap.Error(err))
 			return
 		case err != nil:
 			s.log.Warn("renew consul session", zap.String("session", s.id), zap.Error(err))
-			wait = min(time.Second, time.Until(deadline))
+			wait = min(time.Second, deadline.Sub(s.now()))
 		default:
 			lastOK = sent
 			// Consul may raise the TTL (never lower it below what we asked).

@@ -54,21 +54,30 @@ type consulPorts struct{ http, serfLAN, serfWAN, server int }
 // never a skip: a suite that silently skips its Consul tests proves nothing.
 func ConsulBinary(tb testing.TB) string {
 	tb.Helper()
+	bin, err := FindConsulBinary()
+	if err != nil {
+		tb.Fatalf("testenv: %v", err)
+	}
+	return bin
+}
+
+// FindConsulBinary is ConsulBinary returning an error.
+func FindConsulBinary() (string, error) {
 	if bin := os.Getenv("FENCEPROXY_CONSUL_BIN"); bin != "" {
 		if _, err := os.Stat(bin); err != nil {
-			tb.Fatalf("testenv: $FENCEPROXY_CONSUL_BIN: %v: run scripts/build-consul.sh (make deps)", err)
+			return "", fmt.Errorf("$FENCEPROXY_CONSUL_BIN: %w: run scripts/build-consul.sh (make deps)", err)
 		}
-		return bin
+		return bin, nil
 	}
 	bin, err := consulCachePath()
 	if err != nil {
-		tb.Fatalf("testenv: locate the Consul binary: %v: run scripts/build-consul.sh (make deps)", err)
+		return "", fmt.Errorf("locate the Consul binary: %w: run scripts/build-consul.sh (make deps)", err)
 	}
 	if _, err := os.Stat(bin); err != nil {
-		tb.Fatalf("testenv: Consul %s not found (%v): run scripts/build-consul.sh (make deps), "+
+		return "", fmt.Errorf("no Consul %s agent (%w): run scripts/build-consul.sh (make deps), "+
 			"or set $FENCEPROXY_CONSUL_BIN", ConsulVersion, err)
 	}
-	return bin
+	return bin, nil
 }
 
 // consulCachePath mirrors scripts/build-consul.sh:
@@ -98,33 +107,70 @@ func consulCachePath() (string, error) {
 // use 10 s like everyone else.
 func StartConsul(tb testing.TB) *Consul {
 	tb.Helper()
-	c := &Consul{Bin: ConsulBinary(tb)}
-	base, err := os.MkdirTemp("", "fenceproxy-consul-")
+	ctx, cancel := context.WithTimeout(context.Background(), consulStartTimeout)
+	defer cancel()
+	c, err := LaunchConsul(ctx)
 	if err != nil {
 		tb.Fatalf("testenv: %v", err)
+	}
+	tb.Cleanup(func() {
+		err := c.Shutdown()
+		if tb.Failed() {
+			tb.Logf("testenv: Consul log (%s):\n%s", c.LogFile, consulLogTail(c.LogFile, 0))
+		}
+		if err := errors.Join(err, c.Close()); err != nil {
+			tb.Errorf("testenv: %v", err)
+		}
+	})
+	tb.Logf("testenv: Consul %s on %s, folder %s", ConsulVersion, c.Addr, c.base)
+	return c
+}
+
+// LaunchConsul is StartConsul for programs that are not tests: it returns an error instead
+// of failing a test, and the caller must Close the agent.
+func LaunchConsul(ctx context.Context) (*Consul, error) {
+	bin, err := FindConsulBinary()
+	if err != nil {
+		return nil, err
+	}
+	c := &Consul{Bin: bin}
+	base, err := os.MkdirTemp("", "fenceproxy-consul-")
+	if err != nil {
+		return nil, err
 	}
 	c.base = base
 	c.DataDir = filepath.Join(base, "data")
 	c.LogFile = filepath.Join(base, "consul.log")
-	tb.Cleanup(func() { c.cleanup(tb) })
-
-	ctx, cancel := context.WithTimeout(context.Background(), consulStartTimeout)
-	defer cancel()
 	for attempt := 1; ; attempt++ {
-		c.ports = consulPorts{http: FreePort(tb), serfLAN: FreePort(tb), serfWAN: FreePort(tb), server: FreePort(tb)}
-		c.Addr = "127.0.0.1:" + strconv.Itoa(c.ports.http)
+		if err := c.pickPorts(); err != nil {
+			_ = c.Close()
+			return nil, err
+		}
 		err = c.start(ctx)
 		if err == nil {
-			break
+			return c, nil
 		}
 		if !errors.Is(err, errPortInUse) || attempt == portAttempts {
-			tb.Fatalf("testenv: start Consul: %v", err)
+			_ = c.Close()
+			return nil, fmt.Errorf("start Consul: %w", err)
 		}
 		// A half-started agent may have written a node ID bound to the old ports.
 		_ = os.RemoveAll(c.DataDir)
 	}
-	tb.Logf("testenv: Consul %s on %s, folder %s", ConsulVersion, c.Addr, base)
-	return c
+}
+
+func (c *Consul) pickPorts() error {
+	var ports [4]int
+	for i := range ports {
+		port, err := PickFreePort()
+		if err != nil {
+			return err
+		}
+		ports[i] = port
+	}
+	c.ports = consulPorts{http: ports[0], serfLAN: ports[1], serfWAN: ports[2], server: ports[3]}
+	c.Addr = "127.0.0.1:" + strconv.Itoa(c.ports.http)
+	return nil
 }
 
 func (c *Consul) args() []string {
@@ -153,6 +199,7 @@ func (c *Consul) args() []string {
 func (c *Consul) start(ctx context.Context) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	c.reapLocked()
 	if c.proc != nil {
 		return errors.New("already running")
 	}
@@ -232,33 +279,56 @@ func (c *Consul) Start(tb testing.TB) {
 	tb.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), consulStartTimeout)
 	defer cancel()
-	if err := c.start(ctx); err != nil {
-		tb.Fatalf("testenv: start Consul on %s: %v", c.Addr, err)
+	if err := c.StartContext(ctx); err != nil {
+		tb.Fatalf("testenv: %v", err)
 	}
+}
+
+// StartContext is Start returning an error.
+func (c *Consul) StartContext(ctx context.Context) error {
+	if err := c.start(ctx); err != nil {
+		return fmt.Errorf("start Consul on %s: %w", c.Addr, err)
+	}
+	return nil
 }
 
 // Stop shuts the agent down (SIGTERM: a server does not leave the cluster, so its state
 // is intact for Start). Stopping a stopped agent does nothing.
 func (c *Consul) Stop(tb testing.TB) {
 	tb.Helper()
+	if err := c.Shutdown(); err != nil {
+		tb.Fatalf("testenv: %v", err)
+	}
+}
+
+// Shutdown is Stop returning an error.
+func (c *Consul) Shutdown() error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if err := c.signalLocked(syscall.SIGTERM); err != nil {
-		tb.Fatalf("testenv: stop Consul: %v", err)
+		return fmt.Errorf("stop Consul: %w", err)
 	}
+	return nil
 }
 
 // Pause freezes the agent (SIGSTOP): its sockets stay open but nothing answers, the way a
 // hung or partitioned server looks to clients. Resume undoes it.
 func (c *Consul) Pause(tb testing.TB) {
 	tb.Helper()
+	if err := c.Freeze(); err != nil {
+		tb.Fatalf("testenv: %v", err)
+	}
+}
+
+// Freeze is Pause returning an error.
+func (c *Consul) Freeze() error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.proc == nil {
-		tb.Fatalf("testenv: pause Consul: not running")
+		return errors.New("pause Consul: not running")
 	}
 	if err := syscall.Kill(c.proc.Pid, syscall.SIGSTOP); err != nil {
-		tb.Fatalf("testenv: pause Consul: %v", err)
+		return fmt.Errorf("pause Consul: %w", err)
 	}
 	c.paused = true
 	// SIGSTOP is delivered asynchronously: wait until every thread of the
@@ -267,10 +337,11 @@ func (c *Consul) Pause(tb testing.TB) {
 	deadline := time.Now().Add(5 * time.Second)
 	for !allStopped(c.proc.Pid) {
 		if time.Now().After(deadline) {
-			tb.Fatalf("testenv: pause Consul: process %d not stopped after 5 s", c.proc.Pid)
+			return fmt.Errorf("pause Consul: process %d not stopped after 5 s", c.proc.Pid)
 		}
 		time.Sleep(time.Millisecond)
 	}
+	return nil
 }
 
 // allStopped reports whether every thread of pid is in state T (stopped).
@@ -296,26 +367,43 @@ func allStopped(pid int) bool {
 // Resume continues an agent that Pause froze.
 func (c *Consul) Resume(tb testing.TB) {
 	tb.Helper()
+	if err := c.Thaw(); err != nil {
+		tb.Fatalf("testenv: %v", err)
+	}
+}
+
+// Thaw is Resume returning an error.
+func (c *Consul) Thaw() error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.proc == nil {
-		tb.Fatalf("testenv: resume Consul: not running")
+		return errors.New("resume Consul: not running")
 	}
 	if err := syscall.Kill(c.proc.Pid, syscall.SIGCONT); err != nil {
-		tb.Fatalf("testenv: resume Consul: %v", err)
+		return fmt.Errorf("resume Consul: %w", err)
 	}
 	c.paused = false
+	return nil
 }
 
 // Client returns a client for the agent's HTTP API. It ignores the CONSUL_* environment
 // variables of the test process.
 func (c *Consul) Client(tb testing.TB) *api.Client {
 	tb.Helper()
-	client, err := api.NewClient(&api.Config{Address: c.Addr, Scheme: "http", Token: ""})
+	client, err := c.NewClient()
 	if err != nil {
-		tb.Fatalf("testenv: consul client: %v", err)
+		tb.Fatalf("testenv: %v", err)
 	}
 	return client
+}
+
+// NewClient is Client returning an error.
+func (c *Consul) NewClient() (*api.Client, error) {
+	client, err := api.NewClient(&api.Config{Address: c.Addr, Scheme: "http", Token: ""})
+	if err != nil {
+		return nil, fmt.Errorf("consul client: %w", err)
+	}
+	return client, nil
 }
 
 // signalLocked sends sig and waits for the agent to exit, escalating to SIGKILL.
@@ -344,20 +432,18 @@ func (c *Consul) signalLocked(sig syscall.Signal) error {
 	return slow
 }
 
-func (c *Consul) cleanup(tb testing.TB) {
-	c.mu.Lock()
-	err := c.signalLocked(syscall.SIGTERM)
-	c.mu.Unlock()
-	if err != nil {
-		tb.Errorf("testenv: stop Consul: %v", err)
+// Close stops the agent and removes its folder. StartConsul's cleanup calls it; callers of
+// LaunchConsul call it themselves.
+func (c *Consul) Close() error {
+	err := c.Shutdown()
+	if rmErr := os.RemoveAll(c.base); rmErr != nil {
+		err = errors.Join(err, rmErr)
 	}
-	if tb.Failed() {
-		tb.Logf("testenv: Consul log (%s):\n%s", c.LogFile, consulLogTail(c.LogFile, 0))
-	}
-	if err := os.RemoveAll(c.base); err != nil {
-		tb.Errorf("testenv: %v", err)
-	}
+	return err
 }
+
+// LogTail is the end of the agent's log, for an error report.
+func (c *Consul) LogTail() string { return consulLogTail(c.LogFile, 0) }
 
 // consulLogTail returns the last lines of the file written after offset from.
 func consulLogTail(path string, from int64) string {
@@ -378,9 +464,23 @@ func consulLogTail(path string, from int64) string {
 	return string(b)
 }
 
-// Running reports whether the agent is started (between Start and Stop).
+// Running reports whether the agent is started (between Start and Stop) and has not exited
+// on its own.
 func (c *Consul) Running() bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	c.reapLocked()
 	return c.proc != nil
+}
+
+// reapLocked forgets an agent that exited without Stop, so that Start can start it again.
+func (c *Consul) reapLocked() {
+	if c.proc == nil {
+		return
+	}
+	select {
+	case <-c.exited:
+		c.proc, c.exited, c.paused = nil, nil, false
+	default:
+	}
 }

@@ -1,8 +1,9 @@
-// Package testenv starts the real servers that fenceproxy's tests run against:
-// a private PostgreSQL 15 cluster per call of StartPostgres, a Consul agent
-// (StartConsul), in-process proxies (StartProxy), and processes that can be frozen,
-// killed and started again as a whole process group (StartProcess; StartProxyProcess
-// for a `fenceproxy serve` on a fixed port; BuildGo for the binaries).
+// Package testenv starts and stops the real servers and processes that fenceproxy's tests,
+// the chaos campaign, the demo and the benchmark run against: a private PostgreSQL 15
+// cluster per call of StartPostgres, a Consul agent (StartConsul), in-process proxies
+// (StartProxy), and processes that can be frozen, killed and started again as a whole
+// process group (StartProcess; StartProxyProcess for a `fenceproxy serve` on a fixed port;
+// BuildGo for the binaries).
 //
 // A cluster lives in its own temporary folder, listens on 127.0.0.1 on a private
 // port and on a unix socket in that folder, and is stopped and removed by
@@ -11,11 +12,49 @@
 // speed (fsync, synchronous_commit and full_page_writes off): a Kill simulates a
 // server crash, not a power loss.
 //
-// The package owns starting, stopping and crashing servers and the addresses to
-// reach them. It must not be imported by non-test code (internal/chaos, the chaos
-// campaign, is run only as a test), and it must not mock what the servers decide:
-// tests ask the real server.
+// # Two faces: tests and programs
 //
-// Missing binaries are a fatal test error that names `make deps`, never a skip:
-// a suite that silently skips its database tests proves nothing.
+// The helpers that take a testing.TB fail the test on an error and register their own
+// cleanup. Each wraps a core that a program which is not a test (cmd/demo, a benchmark
+// driver) uses instead: it takes a context where it waits, returns an error, and leaves
+// the stopping to the caller's Close:
+//
+//	test helper (testing.TB)        program (error, caller closes)
+//	StartPostgres(tb, opts...)      LaunchPostgres(ctx, opts...)    ... p.Close()
+//	  p.Start / Stop / Kill           p.StartContext(ctx) / Shutdown() / Crash()
+//	  p.Exec / CreateRole             p.ExecContext(ctx, sql) / CreateRoleContext(ctx, ...)
+//	StartConsul(tb)                 LaunchConsul(ctx)               ... c.Close()
+//	  c.Start / Stop                  c.StartContext(ctx) / Shutdown()
+//	  c.Pause / Resume / Client       c.Freeze() / Thaw() / NewClient()
+//	ConsulBinary(tb)                FindConsulBinary()
+//	StartProcess(tb, ...)           LaunchProcess(dir, name, argv, env) ... p.Close()
+//	  p.Start / Kill / Stop           p.Launch() / KillWait(d) / Terminate(grace)
+//	StartProxyProcess(tb, ...)      LaunchProxyProcess(ctx, ...)    ... p.Close()
+//	BuildGo(tb, dir, pkgs...)       BuildGoContext(ctx, dir, pkgs...)
+//	FreePort(tb)                    PickFreePort()
+//	Migrate(tb, url)                MigrateContext(ctx, url)
+//
+// A benchmark driver, for instance, starts its cluster and proxies like this (and a
+// pgbouncer or any other program as a Process):
+//
+//	pg, err := testenv.LaunchPostgres(ctx, testenv.WithConf("max_connections", "300"))
+//	if err != nil { return err }
+//	defer pg.Close()
+//	bins, err := testenv.BuildGoContext(ctx, dir, "./cmd/fenceproxy")
+//	...
+//	px, err := testenv.LaunchProxyProcess(ctx, dir, "fenceproxy", bins[0],
+//		"--upstream", fmt.Sprintf("postgres://%s:%d", pg.Host, pg.Port), ...)
+//	if err != nil { return err }
+//	defer px.Close()
+//
+// Every Launch* cleans up what it started when it fails. Waits poll for a condition (a
+// real connection, a consistent read, a listening port) instead of sleeping.
+//
+// The package owns starting, stopping and crashing servers and the addresses to reach
+// them. The product (cmd/fenceproxy and the packages it imports) must not import it; the
+// tests, the chaos campaign (internal/chaos), the demo (cmd/demo) and benchmark drivers
+// may. It must not mock what the servers decide: callers ask the real server.
+//
+// Missing binaries are an error that names `make deps` (a fatal test error in the TB
+// helpers), never a skip: a suite that silently skips its database tests proves nothing.
 package testenv

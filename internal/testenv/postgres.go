@@ -110,9 +110,32 @@ func WithConf(key, value string) PGOption {
 // StartPostgres creates a cluster in a new temporary folder, starts it and waits
 // until it accepts connections. tb.Cleanup stops it and removes the folder. Any
 // failure is fatal for the test (never a skip). Safe to call from parallel tests
-// and parallel test processes.
+// and parallel test processes. It is LaunchPostgres for tests.
 func StartPostgres(tb testing.TB, opts ...PGOption) *Postgres {
 	tb.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), startTimeout)
+	defer cancel()
+	p, err := LaunchPostgres(ctx, opts...)
+	if err != nil {
+		tb.Fatalf("testenv: %v", err)
+	}
+	tb.Cleanup(func() {
+		err := p.Shutdown()
+		if tb.Failed() && p.LogFile != "" {
+			tb.Logf("testenv: PostgreSQL log tail (%s):\n%s", p.LogFile, p.logTail(0))
+		}
+		if err := errors.Join(err, p.Close()); err != nil {
+			tb.Errorf("testenv: %v", err)
+		}
+	})
+	tb.Logf("testenv: PostgreSQL on %s:%d (auth %s, ssl %t), folder %s", p.Host, p.Port, p.opts.auth, p.opts.ssl, p.base)
+	return p
+}
+
+// LaunchPostgres is StartPostgres for programs that are not tests (a demo, a benchmark
+// driver): it creates, starts and waits for a cluster, and returns an error instead of
+// failing a test. The caller must Close it, also when a later step fails.
+func LaunchPostgres(ctx context.Context, opts ...PGOption) (*Postgres, error) {
 	p := &Postgres{Host: "127.0.0.1", opts: pgOptions{auth: "trust"}}
 	for _, o := range opts {
 		o(&p.opts)
@@ -120,7 +143,7 @@ func StartPostgres(tb testing.TB, opts ...PGOption) *Postgres {
 	switch p.opts.auth {
 	case "trust", "password", "md5", "scram-sha-256":
 	default:
-		tb.Fatalf("testenv: WithAuth(%q): want trust, password, md5 or scram-sha-256", p.opts.auth)
+		return nil, fmt.Errorf("WithAuth(%q): want trust, password, md5 or scram-sha-256", p.opts.auth)
 	}
 
 	p.BinDir = os.Getenv("FENCEPROXY_PG_BINDIR")
@@ -129,7 +152,7 @@ func StartPostgres(tb testing.TB, opts ...PGOption) *Postgres {
 	}
 	for _, name := range []string{"initdb", "postgres"} {
 		if _, err := os.Stat(p.Bin(name)); err != nil {
-			tb.Fatalf("testenv: PostgreSQL 15 server binaries not found (%v): run `make deps` "+
+			return nil, fmt.Errorf("PostgreSQL 15 server binaries not found (%w): run `make deps` "+
 				"(or set $FENCEPROXY_PG_BINDIR to the folder holding initdb and postgres)", err)
 		}
 	}
@@ -139,7 +162,7 @@ func StartPostgres(tb testing.TB, opts ...PGOption) *Postgres {
 		// initdb and postgres refuse to run as root.
 		u, err := user.Lookup("postgres")
 		if err != nil {
-			tb.Fatalf("testenv: running as root needs the `postgres` OS user to run the cluster: %v: run `make deps`", err)
+			return nil, fmt.Errorf("running as root needs the `postgres` OS user to run the cluster: %w: run `make deps`", err)
 		}
 		uid, _ := strconv.ParseUint(u.Uid, 10, 32)
 		gid, _ := strconv.ParseUint(u.Gid, 10, 32)
@@ -156,30 +179,39 @@ func StartPostgres(tb testing.TB, opts ...PGOption) *Postgres {
 	sweepStale(root)
 	base, err := os.MkdirTemp(root, dirPrefix)
 	if err != nil {
-		tb.Fatalf("testenv: %v", err)
+		return nil, err
 	}
 	p.base = base
-	tb.Cleanup(func() { p.cleanup(tb) })
-	if err := os.WriteFile(filepath.Join(base, "owner"), []byte(strconv.Itoa(os.Getpid())), 0o644); err != nil {
-		tb.Fatalf("testenv: %v", err)
+	if err := p.launch(ctx); err != nil {
+		_ = p.Close()
+		return nil, err
 	}
-	p.DataDir = filepath.Join(base, "data")
-	p.SocketDir = filepath.Join(base, "sock")
-	p.LogFile = filepath.Join(base, "postgres.log")
-	if err := p.prepare(); err != nil {
-		tb.Fatalf("testenv: %v", err)
-	}
+	return p, nil
+}
 
-	ctx, cancel := context.WithTimeout(context.Background(), startTimeout)
-	defer cancel()
+// launch prepares the cluster in p.base and starts it on a free port.
+func (p *Postgres) launch(ctx context.Context) error {
+	if err := os.WriteFile(filepath.Join(p.base, "owner"), []byte(strconv.Itoa(os.Getpid())), 0o644); err != nil {
+		return err
+	}
+	p.DataDir = filepath.Join(p.base, "data")
+	p.SocketDir = filepath.Join(p.base, "sock")
+	p.LogFile = filepath.Join(p.base, "postgres.log")
+	if err := p.prepare(); err != nil {
+		return err
+	}
 	for attempt := 1; ; attempt++ {
-		p.Port = FreePort(tb)
+		port, err := PickFreePort()
+		if err != nil {
+			return err
+		}
+		p.Port = port
 		err = p.start(ctx)
 		if err == nil {
 			break
 		}
 		if !errors.Is(err, errPortInUse) || attempt == portAttempts {
-			tb.Fatalf("testenv: start PostgreSQL: %v", err)
+			return fmt.Errorf("start PostgreSQL: %w", err)
 		}
 	}
 	if p.opts.auth == "md5" {
@@ -187,11 +219,10 @@ func StartPostgres(tb testing.TB, opts ...PGOption) *Postgres {
 		// MD5 like every other role of an md5 cluster.
 		sql := passwordSQL(p.opts.auth, "ALTER ROLE "+pgx.Identifier{AdminUser}.Sanitize(), AdminPassword)
 		if err := p.exec(ctx, sql); err != nil {
-			tb.Fatalf("testenv: %v", err)
+			return err
 		}
 	}
-	tb.Logf("testenv: PostgreSQL on %s:%d (auth %s, ssl %t), folder %s", p.Host, p.Port, p.opts.auth, p.opts.ssl, base)
-	return p
+	return nil
 }
 
 // prepare runs initdb and writes the configuration, the certificates and the
@@ -266,6 +297,7 @@ func (p *Postgres) prepare() error {
 func (p *Postgres) start(ctx context.Context) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	p.reapLocked()
 	if p.proc != nil {
 		return errors.New("already running")
 	}
@@ -366,9 +398,17 @@ func (p *Postgres) Start(tb testing.TB) {
 	tb.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), startTimeout)
 	defer cancel()
-	if err := p.start(ctx); err != nil {
-		tb.Fatalf("testenv: start PostgreSQL on port %d: %v", p.Port, err)
+	if err := p.StartContext(ctx); err != nil {
+		tb.Fatalf("testenv: %v", err)
 	}
+}
+
+// StartContext is Start returning an error.
+func (p *Postgres) StartContext(ctx context.Context) error {
+	if err := p.start(ctx); err != nil {
+		return fmt.Errorf("start PostgreSQL on port %d: %w", p.Port, err)
+	}
+	return nil
 }
 
 // Stop shuts the cluster down cleanly (fast shutdown: clients are disconnected,
@@ -376,9 +416,17 @@ func (p *Postgres) Start(tb testing.TB) {
 // cluster does nothing.
 func (p *Postgres) Stop(tb testing.TB) {
 	tb.Helper()
-	if err := p.signal(syscall.SIGINT); err != nil {
-		tb.Fatalf("testenv: stop PostgreSQL: %v", err)
+	if err := p.Shutdown(); err != nil {
+		tb.Fatalf("testenv: %v", err)
 	}
+}
+
+// Shutdown is Stop returning an error.
+func (p *Postgres) Shutdown() error {
+	if err := p.signal(syscall.SIGINT); err != nil {
+		return fmt.Errorf("stop PostgreSQL: %w", err)
+	}
+	return nil
 }
 
 // Kill stops the cluster the way a crash does (immediate shutdown, what
@@ -386,9 +434,17 @@ func (p *Postgres) Stop(tb testing.TB) {
 // checkpointed, and the next Start runs crash recovery.
 func (p *Postgres) Kill(tb testing.TB) {
 	tb.Helper()
-	if err := p.signal(syscall.SIGQUIT); err != nil {
-		tb.Fatalf("testenv: kill PostgreSQL: %v", err)
+	if err := p.Crash(); err != nil {
+		tb.Fatalf("testenv: %v", err)
 	}
+}
+
+// Crash is Kill returning an error.
+func (p *Postgres) Crash() error {
+	if err := p.signal(syscall.SIGQUIT); err != nil {
+		return fmt.Errorf("kill PostgreSQL: %w", err)
+	}
+	return nil
 }
 
 // Restart is Stop then Start.
@@ -427,17 +483,18 @@ func (p *Postgres) signalLocked(sig syscall.Signal, timeout time.Duration) error
 	return slow
 }
 
-func (p *Postgres) cleanup(tb testing.TB) {
-	if err := p.signal(syscall.SIGINT); err != nil {
-		tb.Errorf("testenv: stop PostgreSQL: %v", err)
+// Close shuts the cluster down and removes its folder. StartPostgres's cleanup calls it;
+// callers of LaunchPostgres call it themselves.
+func (p *Postgres) Close() error {
+	err := p.Shutdown()
+	if rmErr := os.RemoveAll(p.base); rmErr != nil {
+		err = errors.Join(err, rmErr)
 	}
-	if tb.Failed() && p.LogFile != "" {
-		tb.Logf("testenv: PostgreSQL log tail (%s):\n%s", p.LogFile, p.logTail(0))
-	}
-	if err := os.RemoveAll(p.base); err != nil {
-		tb.Errorf("testenv: %v", err)
-	}
+	return err
 }
+
+// LogTail is the end of the server's log (its last 40 lines), for an error report.
+func (p *Postgres) LogTail() string { return p.logTail(0) }
 
 // URL is a connection URL for user over TCP without a password and with
 // sslmode=disable unless params (each "key=value", e.g. "sslmode=verify-full")
@@ -494,9 +551,14 @@ func (p *Postgres) Exec(tb testing.TB, sql string) {
 	// Not tb.Context(): that is cancelled before cleanups run, and cleanups call Exec too.
 	ctx, cancel := context.WithTimeout(context.Background(), execTimeout)
 	defer cancel()
-	if err := p.exec(ctx, sql); err != nil {
+	if err := p.ExecContext(ctx, sql); err != nil {
 		tb.Fatalf("testenv: %v", err)
 	}
+}
+
+// ExecContext is Exec returning an error.
+func (p *Postgres) ExecContext(ctx context.Context, sql string) error {
+	return p.exec(ctx, sql)
 }
 
 func (p *Postgres) exec(ctx context.Context, sql string) error {
@@ -520,11 +582,20 @@ func (p *Postgres) exec(ctx context.Context, sql string) error {
 // grant what the test needs with Exec.
 func (p *Postgres) CreateRole(tb testing.TB, name, password string) {
 	tb.Helper()
+	p.Exec(tb, p.createRoleSQL(name, password))
+}
+
+// CreateRoleContext is CreateRole returning an error.
+func (p *Postgres) CreateRoleContext(ctx context.Context, name, password string) error {
+	return p.exec(ctx, p.createRoleSQL(name, password))
+}
+
+func (p *Postgres) createRoleSQL(name, password string) string {
 	sql := "CREATE ROLE " + pgx.Identifier{name}.Sanitize() + " LOGIN"
 	if password != "" {
 		sql = passwordSQL(p.opts.auth, sql, password)
 	}
-	p.Exec(tb, sql)
+	return sql
 }
 
 // passwordSQL appends a PASSWORD clause to a CREATE or ALTER ROLE statement,
@@ -556,6 +627,15 @@ func quoteLiteral(s string) string {
 // still take the port before the caller binds it: callers retry on a bind failure.
 func FreePort(tb testing.TB) int {
 	tb.Helper()
+	port, err := PickFreePort()
+	if err != nil {
+		tb.Fatalf("testenv: %v", err)
+	}
+	return port
+}
+
+// PickFreePort is FreePort returning an error.
+func PickFreePort() (int, error) {
 	lo, hi := 20000, 32768
 	if elo, ehi, ok := ephemeralRange(); ok && elo < hi && ehi >= lo {
 		// The ephemeral range overlaps ours: let the kernel choose instead.
@@ -572,12 +652,11 @@ func FreePort(tb testing.TB) int {
 		}
 		port = l.Addr().(*net.TCPAddr).Port
 		if err := l.Close(); err != nil {
-			tb.Fatalf("testenv: %v", err)
+			return 0, err
 		}
-		return port
+		return port, nil
 	}
-	tb.Fatalf("testenv: no free port found in [%d, %d)", lo, hi)
-	return 0
+	return 0, fmt.Errorf("no free port found in [%d, %d)", lo, hi)
 }
 
 func ephemeralRange() (lo, hi int, ok bool) {
@@ -764,9 +843,24 @@ func pidFileDead(path string, missingIsDead bool) bool {
 	return errors.Is(syscall.Kill(pid, 0), syscall.ESRCH)
 }
 
-// Running reports whether the cluster is started (between Start and Stop or Kill).
+// Running reports whether the cluster is started (between Start and Stop or Kill) and has
+// not exited on its own.
 func (p *Postgres) Running() bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	p.reapLocked()
 	return p.proc != nil
+}
+
+// reapLocked forgets a postmaster that exited without Stop or Kill, so that Start can start
+// it again.
+func (p *Postgres) reapLocked() {
+	if p.proc == nil {
+		return
+	}
+	select {
+	case <-p.exited:
+		p.proc, p.exited = nil, nil
+	default:
+	}
 }

@@ -186,3 +186,38 @@ func TestFreePort(t *testing.T) {
 	}
 	l.Close()
 }
+
+// TestLaunchPostgres checks the face of the package that programs use: errors instead of a
+// failed test, and a Close that leaves nothing behind.
+func TestLaunchPostgres(t *testing.T) {
+	t.Parallel()
+	if _, err := testenv.LaunchPostgres(t.Context(), testenv.WithAuth("ident")); err == nil {
+		t.Fatal("LaunchPostgres accepted WithAuth(ident)")
+	}
+	pg, err := testenv.LaunchPostgres(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	closed := false
+	defer func() {
+		if !closed {
+			_ = pg.Close()
+		}
+	}()
+	if err := pg.ExecContext(t.Context(), "CREATE DATABASE launched"); err != nil {
+		t.Fatal(err)
+	}
+	if err := pg.ExecContext(t.Context(), "SELECT * FROM no_such_table"); err == nil {
+		t.Fatal("ExecContext of a failing statement returned no error")
+	}
+	if err := pg.Close(); err != nil {
+		t.Fatal(err)
+	}
+	closed = true
+	if pg.Running() {
+		t.Error("running after Close")
+	}
+	if _, err := os.Stat(pg.DataDir); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("data folder %s after Close: %v", pg.DataDir, err)
+	}
+}

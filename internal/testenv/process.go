@@ -21,28 +21,38 @@ import (
 // element of each package path. Go's build cache makes a second build cheap.
 func BuildGo(tb testing.TB, dir string, pkgs ...string) []string {
 	tb.Helper()
-	root, err := moduleRoot()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	bins, err := BuildGoContext(ctx, dir, pkgs...)
 	if err != nil {
 		tb.Fatalf("testenv: %v", err)
-	}
-	var bins []string
-	for _, pkg := range pkgs {
-		bin := filepath.Join(dir, filepath.Base(pkg))
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-		cmd := exec.CommandContext(ctx, "go", "build", "-o", bin, pkg)
-		cmd.Dir = root
-		out, err := cmd.CombinedOutput()
-		cancel()
-		if err != nil {
-			tb.Fatalf("testenv: go build %s: %v\n%s", pkg, err, out)
-		}
-		bins = append(bins, bin)
 	}
 	return bins
 }
 
-// moduleRoot is the folder holding go.mod, above the working folder.
-func moduleRoot() (string, error) {
+// BuildGoContext is BuildGo returning an error. It must run inside the module (any folder
+// below go.mod).
+func BuildGoContext(ctx context.Context, dir string, pkgs ...string) ([]string, error) {
+	root, err := ModuleRoot()
+	if err != nil {
+		return nil, err
+	}
+	var bins []string
+	for _, pkg := range pkgs {
+		bin := filepath.Join(dir, filepath.Base(pkg))
+		cmd := exec.CommandContext(ctx, "go", "build", "-o", bin, pkg)
+		cmd.Dir = root
+		if out, err := cmd.CombinedOutput(); err != nil {
+			return nil, fmt.Errorf("go build %s: %w\n%s", pkg, err, out)
+		}
+		bins = append(bins, bin)
+	}
+	return bins, nil
+}
+
+// ModuleRoot is the folder holding go.mod, the working folder or above it: where a program
+// run from the source tree finds the files beside its code (the demo's SQL).
+func ModuleRoot() (string, error) {
 	dir, err := os.Getwd()
 	if err != nil {
 		return "", err
@@ -76,20 +86,47 @@ type Process struct {
 }
 
 // StartProcess starts argv as name, its stdout and stderr appended to dir/name.log.
+// tb.Cleanup kills what is left of its group.
 func StartProcess(tb testing.TB, dir, name string, argv, env []string) *Process {
 	tb.Helper()
-	p := &Process{Name: name, Argv: argv, Env: env, LogFile: filepath.Join(dir, name+".log")}
-	tb.Cleanup(func() { p.kill(); p.Wait(10 * time.Second) })
-	p.Start(tb)
+	p, err := LaunchProcess(dir, name, argv, env)
+	if err != nil {
+		tb.Fatalf("testenv: %v", err)
+	}
+	tb.Cleanup(p.Close)
 	return p
+}
+
+// LaunchProcess is StartProcess for programs that are not tests: the caller must Close the
+// process.
+func LaunchProcess(dir, name string, argv, env []string) (*Process, error) {
+	p := &Process{Name: name, Argv: argv, Env: env, LogFile: filepath.Join(dir, name+".log")}
+	if err := p.Launch(); err != nil {
+		return nil, err
+	}
+	return p, nil
+}
+
+// Close kills what is left of the process's group and waits (up to 10 s) for the process.
+func (p *Process) Close() {
+	p.kill()
+	p.Wait(10 * time.Second)
 }
 
 // Start starts the process again (it must not be running).
 func (p *Process) Start(tb testing.TB) {
 	tb.Helper()
-	if err := p.start(); err != nil {
-		tb.Fatalf("testenv: start %s: %v", p.Name, err)
+	if err := p.Launch(); err != nil {
+		tb.Fatalf("testenv: %v", err)
 	}
+}
+
+// Launch is Start returning an error.
+func (p *Process) Launch() error {
+	if err := p.start(); err != nil {
+		return fmt.Errorf("start %s: %w", p.Name, err)
+	}
+	return nil
 }
 
 func (p *Process) start() error {
@@ -203,21 +240,37 @@ func (p *Process) kill() {
 // Kill sends SIGKILL to the whole group and waits for the process to exit.
 func (p *Process) Kill(tb testing.TB) {
 	tb.Helper()
-	p.kill()
-	if !p.Wait(30 * time.Second) {
-		tb.Fatalf("testenv: %s (pid %d) did not exit within 30 s of SIGKILL", p.Name, p.Pid())
+	if err := p.KillWait(30 * time.Second); err != nil {
+		tb.Fatalf("testenv: %v", err)
 	}
+}
+
+// KillWait is Kill returning an error when the process has not exited within timeout.
+func (p *Process) KillWait(timeout time.Duration) error {
+	p.kill()
+	if !p.Wait(timeout) {
+		return fmt.Errorf("%s (pid %d) did not exit within %v of SIGKILL", p.Name, p.Pid(), timeout)
+	}
+	return nil
 }
 
 // Stop sends SIGTERM (after SIGCONT, in case it is frozen) and waits up to grace, then
 // kills the group.
 func (p *Process) Stop(tb testing.TB, grace time.Duration) {
 	tb.Helper()
+	if err := p.Terminate(grace); err != nil {
+		tb.Fatalf("testenv: %v", err)
+	}
+}
+
+// Terminate is Stop returning an error.
+func (p *Process) Terminate(grace time.Duration) error {
 	_ = p.Signal(syscall.SIGCONT)
 	_ = p.Signal(syscall.SIGTERM)
-	if !p.Wait(grace) {
-		p.Kill(tb)
+	if p.Wait(grace) {
+		return nil
 	}
+	return p.KillWait(30 * time.Second)
 }
 
 // ProxyProcess is a `fenceproxy serve` process listening on a fixed loopback port, so that
@@ -233,12 +286,38 @@ type ProxyProcess struct {
 // connections.
 func StartProxyProcess(tb testing.TB, dir, name, bin string, flags ...string) *ProxyProcess {
 	tb.Helper()
-	port := FreePort(tb)
-	argv := append([]string{bin, "serve", "--listen", "127.0.0.1:" + strconv.Itoa(port), "--log-format", "console"}, flags...)
-	p := &ProxyProcess{Process: StartProcess(tb, dir, name, argv, nil), Host: "127.0.0.1", Port: port}
-	p.WaitListening(tb)
+	ctx, cancel := context.WithTimeout(context.Background(), listenTimeout)
+	defer cancel()
+	p, err := LaunchProxyProcess(ctx, dir, name, bin, flags...)
+	if err != nil {
+		tb.Fatalf("testenv: %v", err)
+	}
+	tb.Cleanup(p.Close)
 	return p
 }
+
+// LaunchProxyProcess is StartProxyProcess for programs that are not tests: the caller must
+// Close the process.
+func LaunchProxyProcess(ctx context.Context, dir, name, bin string, flags ...string) (*ProxyProcess, error) {
+	port, err := PickFreePort()
+	if err != nil {
+		return nil, err
+	}
+	argv := append([]string{bin, "serve", "--listen", "127.0.0.1:" + strconv.Itoa(port), "--log-format", "console"}, flags...)
+	proc, err := LaunchProcess(dir, name, argv, nil)
+	if err != nil {
+		return nil, err
+	}
+	p := &ProxyProcess{Process: proc, Host: "127.0.0.1", Port: port}
+	if err := p.WaitListeningContext(ctx); err != nil {
+		p.Close()
+		return nil, err
+	}
+	return p, nil
+}
+
+// listenTimeout bounds WaitListening.
+const listenTimeout = 30 * time.Second
 
 // Addr is host:port.
 func (p *ProxyProcess) Addr() string { return p.Host + ":" + strconv.Itoa(p.Port) }
@@ -246,19 +325,28 @@ func (p *ProxyProcess) Addr() string { return p.Host + ":" + strconv.Itoa(p.Port
 // WaitListening polls until the proxy accepts TCP connections (within 30 s).
 func (p *ProxyProcess) WaitListening(tb testing.TB) {
 	tb.Helper()
-	deadline := time.Now().Add(30 * time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), listenTimeout)
+	defer cancel()
+	if err := p.WaitListeningContext(ctx); err != nil {
+		tb.Fatalf("testenv: %v", err)
+	}
+}
+
+// WaitListeningContext is WaitListening until ctx is done, returning an error.
+func (p *ProxyProcess) WaitListeningContext(ctx context.Context) error {
 	for {
 		if c, err := dialTCP(p.Addr()); err == nil {
 			c.Close()
-			return
+			return nil
 		}
 		if !p.Running() {
-			tb.Fatalf("testenv: %s exited before listening; see %s", p.Name, p.LogFile)
+			return fmt.Errorf("%s exited before listening; see %s", p.Name, p.LogFile)
 		}
-		if time.Now().After(deadline) {
-			tb.Fatalf("testenv: %s not listening on %s after 30 s; see %s", p.Name, p.Addr(), p.LogFile)
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("%s not listening on %s: %w; see %s", p.Name, p.Addr(), ctx.Err(), p.LogFile)
+		case <-time.After(20 * time.Millisecond):
 		}
-		time.Sleep(20 * time.Millisecond)
 	}
 }
 

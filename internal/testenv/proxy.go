@@ -27,12 +27,17 @@ func Migrate(tb testing.TB, url string) {
 	tb.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	if _, err := fence.Migrate(ctx, url); err != nil {
-		tb.Fatalf("testenv: migrate: %v", err)
-	}
-	if err := fence.SetKey(ctx, url, Key); err != nil {
+	if err := MigrateContext(ctx, url); err != nil {
 		tb.Fatalf("testenv: %v", err)
 	}
+}
+
+// MigrateContext is Migrate returning an error.
+func MigrateContext(ctx context.Context, url string) error {
+	if _, err := fence.Migrate(ctx, url); err != nil {
+		return fmt.Errorf("migrate: %w", err)
+	}
+	return fence.SetKey(ctx, url, Key)
 }
 
 // Proxy is an in-process fenceproxy in front of a test cluster.
