@@ -1,6 +1,6 @@
 // Package testenv starts the real servers that fenceproxy's tests run against:
 // a private PostgreSQL 15 cluster per call of StartPostgres, a Consul agent
-// (StartConsul), in-process proxies (StartProxy), and processes that can be frozen,
+// (StartConsul), an etcd server (StartEtcd, in the test process), in-process proxies (StartProxy), and processes that can be frozen,
 // killed and started again as a whole process group (StartProcess; StartProxyProcess
 // for a `fenceproxy serve` on a fixed port; BuildGo for the binaries).
 //
