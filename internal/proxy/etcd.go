@@ -132,7 +132,9 @@ func (g *EtcdGuard) failClosed(res, why string) {
 	if g.regress[res] != nil {
 		return
 	}
-	fe := fence.Regression(res, "etcd's revisions went backwards: "+why+"; restore etcd with etcdutl snapshot restore --bump-revision, or reset the resource's fence (fenceproxy fence reset) and restart the proxy")
+	fe := fence.Unavailable(res, "etcd's revisions went backwards: "+why)
+	fe.Hint = "Restore etcd with etcdutl snapshot restore --bump-revision, or reset the resource's fence (`fenceproxy fence reset --resource " +
+		res + " --token <the new leader's revision>`), then restart the proxies (README: The etcd store, What a restore does)."
 	g.regress[res] = fe
 	g.log.Error("failing closed: etcd revision regression", zap.String("resource", res), zap.String("store", lease.StoreEtcd), zap.String("why", why))
 	g.reg.Block(res, fe)
@@ -157,11 +159,17 @@ func (g *EtcdGuard) Admit(ctx context.Context, c fence.Credentials) error {
 	case err != nil:
 		return fence.Unavailable(c.Resource, "etcd's election state is unknown ("+err.Error()+"); no token is admitted without etcd's word")
 	case rev == 0:
-		return fence.NotHeld(c.Resource, c.Token)
+		fe := fence.NotHeld(c.Resource, c.Token)
+		fe.Message = fmt.Sprintf("fencing lock not held: the etcd election of resource %q has no leader (token %d); the session expired or resigned", c.Resource, c.Token)
+		fe.Hint = "Campaign again and use the new leader key's CreateRevision."
+		return fe
 	case c.Token < rev:
 		return fence.Stale(c.Resource, c.Token, rev)
 	case c.Token > rev:
-		return fence.NotIssued(c.Resource, c.Token, rev)
+		fe := fence.NotIssued(c.Resource, c.Token, rev)
+		fe.Message = fmt.Sprintf("fencing token not issued: resource %q token %d is higher than the CreateRevision %d of etcd's current leader key", c.Resource, c.Token, rev)
+		fe.Hint = "Use the leader key's CreateRevision (concurrency.Election.Rev()) that this process won the election with."
+		return fe
 	}
 	return nil
 }
