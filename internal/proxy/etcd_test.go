@@ -17,6 +17,7 @@ import (
 // token is raised before it connects (ending the old leader's session), an unreachable etcd
 // refuses new sessions (ZF007), and a restore that moves revisions back fails closed (ZF007).
 func TestEtcdGuard(t *testing.T) {
+	t.Parallel()
 	pg, admin := fencedDB(t)
 	etcd := testenv.StartEtcd(t)
 	cli := etcd.Client(t)
