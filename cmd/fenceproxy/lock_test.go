@@ -13,23 +13,35 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/fenceproxy/fenceproxy/internal/proxy"
 	"github.com/fenceproxy/fenceproxy/internal/testenv"
 )
+
+// lockSetup is what the tests of `fenceproxy lock` share: the binary, a PostgreSQL with the
+// fence schema and a writes table, a proxy fencing resource billing, a connection to the
+// database, and an environment whose PATH has psql.
+func lockSetup(t *testing.T) (bin string, pg *testenv.Postgres, px *testenv.Proxy, conn *pgx.Conn, env []string) {
+	t.Helper()
+	bin = buildBinary(t)
+	pg = testenv.StartPostgres(t)
+	admin := pg.AdminURL()
+	testenv.Migrate(t, admin)
+	pg.Exec(t, "CREATE TABLE writes (token bigint NOT NULL, store text NOT NULL)")
+	px = testenv.StartProxy(t, pg, proxy.Config{Resources: []string{"billing"}, ControlDatabase: admin})
+	conn = testenv.Connect(t, admin)
+	env = append(os.Environ(), "PATH="+filepath.Dir(pg.Bin("psql"))+":"+os.Getenv("PATH"))
+	return bin, pg, px, conn, env
+}
 
 // TestLockPostgres runs `fenceproxy lock --store postgres` end to end with nothing but
 // PostgreSQL and the proxy: the child gets its generation as FENCE_TOKEN and a DATABASE_URL
 // through the proxy, writes with it, and the lease is released when it exits; a lease taken
 // over while the child runs stops the child and, with --on-lost exit, the command.
 func TestLockPostgres(t *testing.T) {
-	bin := buildBinary(t)
-	pg := testenv.StartPostgres(t)
+	bin, pg, px, conn, env := lockSetup(t)
 	admin := pg.AdminURL()
-	testenv.Migrate(t, admin)
-	pg.Exec(t, "CREATE TABLE writes (token bigint NOT NULL, store text NOT NULL)")
-	px := testenv.StartProxy(t, pg, proxy.Config{Resources: []string{"billing"}, ControlDatabase: admin})
-	conn := testenv.Connect(t, admin)
-	env := append(os.Environ(), "PATH="+filepath.Dir(pg.Bin("psql"))+":"+os.Getenv("PATH"))
 
 	lock := func(ctx context.Context, dir, holder, script string) *exec.Cmd {
 		cmd := exec.CommandContext(ctx, bin, "lock", "--store", "postgres", "--database", admin,

@@ -32,9 +32,18 @@ func (s *ServeCmd) Run(ctx context.Context, log *zap.Logger) error {
 	if err != nil {
 		return err
 	}
+	etcdGuard, err := proxy.NewEtcdGuard(ctx, s.Config, proxy.EtcdGuardOptions{Logger: log, Registry: registry})
+	if err != nil {
+		return err
+	}
 	opts := proxy.Options{Logger: log, Metrics: metrics, Registry: registry}
-	if guard != nil {
+	switch {
+	case guard != nil && etcdGuard != nil:
+		opts.Admitter = proxy.Admitters{guard, etcdGuard}
+	case guard != nil:
 		opts.Admitter = guard
+	case etcdGuard != nil:
+		opts.Admitter = etcdGuard
 	}
 	srv, err := proxy.New(s.Config, opts)
 	if err != nil {
@@ -71,6 +80,9 @@ func (s *ServeCmd) Run(ctx context.Context, log *zap.Logger) error {
 	}
 	if guard != nil {
 		go guard.Run(bg) //nolint:errcheck // returns only when bg ends
+	}
+	if etcdGuard != nil {
+		go etcdGuard.Run(bg) //nolint:errcheck // returns only when bg ends
 	}
 	err = srv.Serve(ctx, ln)
 	log.Info("fenceproxy stopped")

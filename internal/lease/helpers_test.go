@@ -4,10 +4,13 @@ import (
 	"bufio"
 	"context"
 	"fmt"
+	"io"
 	"os"
+	"os/exec"
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -19,8 +22,8 @@ import (
 // waitTimeout bounds every wait for something Consul does at once (not TTL expiry).
 const waitTimeout = 15 * time.Second
 
-// TestMain doubles as the holder process of the freeze tests: a lock holder (Consul, or the
-// PostgreSQL lease) in a process of its own, that the test can SIGSTOP like a real stalled
+// TestMain doubles as the holder process of the freeze tests: a lock holder (Consul, the
+// PostgreSQL lease, or etcd) in a process of its own, that the test can SIGSTOP like a real stalled
 // leader.
 func TestMain(m *testing.M) {
 	if os.Getenv("LEASE_TEST_HOLDER") != "" {
@@ -28,6 +31,9 @@ func TestMain(m *testing.M) {
 	}
 	if os.Getenv("LEASE_TEST_PG_HOLDER") != "" {
 		os.Exit(runPGHolder())
+	}
+	if os.Getenv("LEASE_TEST_ETCD_HOLDER") != "" {
+		os.Exit(runEtcdHolder())
 	}
 	os.Exit(m.Run())
 }
@@ -55,6 +61,52 @@ func runHolder() int {
 	<-l.Done()
 	fmt.Println("lost", l.Err())
 	return 0
+}
+
+// startHolder starts this test binary as a holder process (TestMain's roles) with env
+// added, and returns it, its stdin, and next: the next line of its stdout that starts with
+// prefix (lines before it are logged).
+func startHolder(t *testing.T, env ...string) (*exec.Cmd, io.WriteCloser, func(prefix string) string) {
+	t.Helper()
+	r, w, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	holder := exec.Command(os.Args[0], "-test.run=^$")
+	holder.Env = append(os.Environ(), env...)
+	holder.Stdout, holder.Stderr = w, os.Stderr
+	stdin, err := holder.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := holder.Start(); err != nil {
+		t.Fatal(err)
+	}
+	w.Close()
+	t.Cleanup(func() {
+		_ = holder.Process.Signal(syscall.SIGCONT)
+		_ = holder.Process.Kill()
+		_ = holder.Wait()
+	})
+	lines := lineReader(t, r)
+	next := func(prefix string) string {
+		t.Helper()
+		for {
+			select {
+			case line, ok := <-lines:
+				if !ok {
+					t.Fatalf("holder exited before saying %q", prefix)
+				}
+				if strings.HasPrefix(line, prefix) {
+					return line
+				}
+				t.Logf("holder: %s", line)
+			case <-time.After(waitTimeout):
+				t.Fatalf("holder did not say %q", prefix)
+			}
+		}
+	}
+	return holder, stdin, next
 }
 
 // lineReader hands out the lines of a helper's stdout.

@@ -6,20 +6,24 @@ import "context"
 const (
 	StoreConsul   = "consul"
 	StorePostgres = "postgres"
+	StoreEtcd     = "etcd"
 )
 
 // Lease is a lease on one resource that a Store granted: whatever the store, the holder
 // learns its fencing token, when it lost the lease, and why. RunLocked needs nothing else.
 type Lease interface {
-	// Store is the name of the store that granted the lease (StoreConsul, StorePostgres).
+	// Store is the name of the store that granted the lease (StoreConsul, StorePostgres,
+	// StoreEtcd).
 	Store() string
-	// Key is where the lease lives in its store: the Consul key, or "fence.leases/<resource>".
+	// Key is where the lease lives in its store: the Consul key, "fence.leases/<resource>",
+	// or etcd's leader key ("<prefix>/<lease ID>").
 	Key() string
-	// Holder is the holder's identity in the store: the Consul session ID, or the holder
-	// name of the PostgreSQL lease row.
+	// Holder is the holder's identity in the store: the Consul session ID, the holder
+	// name of the PostgreSQL lease row, or etcd's session lease ID (hex).
 	Holder() string
-	// Token is the fencing token of this acquisition: Consul's LockIndex, or the lease row's
-	// generation. It never changes while the lease is held.
+	// Token is the fencing token of this acquisition: Consul's LockIndex, the lease row's
+	// generation, or the CreateRevision of etcd's leader key. It never changes while the
+	// lease is held.
 	Token() int64
 	// Done is closed when the lease is lost or released; Err says which.
 	Done() <-chan struct{}

@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -125,7 +124,7 @@ func (p *PostgresStore) Campaign(ctx context.Context, resource string) (Lease, e
 		case acquired:
 			l := &pgLease{
 				pool: pool, resource: resource, holder: holder, token: generation, ttl: ttl, log: log,
-				done: make(chan struct{}), stopped: make(chan struct{}),
+				outcome: newOutcome(), stopped: make(chan struct{}),
 			}
 			rctx, stop := context.WithCancel(context.WithoutCancel(ctx))
 			l.stop = stop
@@ -189,33 +188,15 @@ type pgLease struct {
 	ttl      time.Duration
 	log      *zap.Logger
 
-	done    chan struct{}
+	outcome
 	stop    context.CancelFunc // stops the renewer
 	stopped chan struct{}      // closed when the renewer returned
-	mu      sync.Mutex
-	err     error
 }
 
-func (l *pgLease) Store() string         { return StorePostgres }
-func (l *pgLease) Key() string           { return leaseKey(l.resource) }
-func (l *pgLease) Holder() string        { return l.holder }
-func (l *pgLease) Token() int64          { return l.token }
-func (l *pgLease) Done() <-chan struct{} { return l.done }
-
-func (l *pgLease) Err() error {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.err
-}
-
-func (l *pgLease) finish(err error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	if l.err == nil {
-		l.err = err
-		close(l.done)
-	}
-}
+func (l *pgLease) Store() string  { return StorePostgres }
+func (l *pgLease) Key() string    { return leaseKey(l.resource) }
+func (l *pgLease) Holder() string { return l.holder }
+func (l *pgLease) Token() int64   { return l.token }
 
 func (l *pgLease) lost(format string, args ...any) {
 	err := fmt.Errorf("%w: %s generation %d: %s", ErrLockLost, leaseKey(l.resource), l.token, fmt.Sprintf(format, args...))

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"os/exec"
 	"slices"
 	"strconv"
 	"strings"
@@ -409,45 +408,8 @@ func TestPostgresLeaseFrozenHolder(t *testing.T) {
 	px := testenv.StartProxy(t, pg, proxy.Config{Resources: []string{resource}, ControlDatabase: url})
 	conn := testenv.Connect(t, url)
 
-	r, w, err := os.Pipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	holder := exec.Command(os.Args[0], "-test.run=^$")
-	holder.Env = append(os.Environ(), "LEASE_TEST_PG_HOLDER=1", "LEASE_TEST_PG="+url,
+	holder, stdin, next := startHolder(t, "LEASE_TEST_PG_HOLDER=1", "LEASE_TEST_PG="+url,
 		"LEASE_TEST_PROXY="+px.URL(testenv.AdminUser, "postgres"), "LEASE_TEST_RESOURCE="+resource)
-	holder.Stdout, holder.Stderr = w, os.Stderr
-	stdin, err := holder.StdinPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := holder.Start(); err != nil {
-		t.Fatal(err)
-	}
-	w.Close()
-	t.Cleanup(func() {
-		_ = holder.Process.Signal(syscall.SIGCONT)
-		_ = holder.Process.Kill()
-		_ = holder.Wait()
-	})
-	lines := lineReader(t, r)
-	next := func(prefix string) string {
-		t.Helper()
-		for {
-			select {
-			case line, ok := <-lines:
-				if !ok {
-					t.Fatalf("holder exited before saying %q", prefix)
-				}
-				if strings.HasPrefix(line, prefix) {
-					return line
-				}
-				t.Logf("holder: %s", line)
-			case <-time.After(waitTimeout):
-				t.Fatalf("holder did not say %q", prefix)
-			}
-		}
-	}
 	token, err := strconv.ParseInt(strings.TrimPrefix(next("token "), "token "), 10, 64)
 	if err != nil {
 		t.Fatal(err)

@@ -89,6 +89,9 @@ type Config struct {
 	ConsulCAFile   string `help:"CA file for TLS to Consul." name:"consul-ca-file" type:"path"`
 	ConsulScheme   string `help:"http or https." name:"consul-scheme" default:"http"`
 	ConsulDownMode string `help:"When Consul is unreachable: refuse (no new sessions; default) or trust-database (admit tokens not lower than the stored one)." name:"consul-down" default:"refuse" enum:"refuse,trust-database"`
+	// etcd configures token validation against etcd elections (EtcdGuard).
+	EtcdEndpoints []string `help:"etcd client URLs (comma-separated), for --etcd-resource." name:"etcd-endpoints" sep:","`
+	EtcdResources []string `help:"Resource validated against an etcd election, NAME=PREFIX (repeatable; NAME is also a --resource)." name:"etcd-resource" sep:","`
 }
 
 // Resource is a configured resource.

@@ -1,9 +1,9 @@
 // Package testenv starts and stops the real servers and processes that fenceproxy's tests,
 // the chaos campaign, the demo and the benchmark run against: a private PostgreSQL 15
-// cluster per call of StartPostgres, a Consul agent (StartConsul), in-process proxies
-// (StartProxy), and processes that can be frozen, killed and started again as a whole
-// process group (StartProcess; StartProxyProcess for a `fenceproxy serve` on a fixed port;
-// BuildGo for the binaries).
+// cluster per call of StartPostgres, a Consul agent (StartConsul), an etcd server
+// (StartEtcd, in the calling process), in-process proxies (StartProxy), and processes that
+// can be frozen, killed and started again as a whole process group (StartProcess;
+// StartProxyProcess for a `fenceproxy serve` on a fixed port; BuildGo for the binaries).
 //
 // A cluster lives in its own temporary folder, listens on 127.0.0.1 on a private
 // port and on a unix socket in that folder, and is stopped and removed by

@@ -1,0 +1,288 @@
+package lease_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap/zaptest"
+
+	"github.com/fenceproxy/fenceproxy/internal/lease"
+	"github.com/fenceproxy/fenceproxy/internal/testenv"
+)
+
+func etcdCampaign(t *testing.T, s *lease.EtcdStore, resource string) lease.Lease {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
+	defer cancel()
+	l, err := s.Campaign(ctx, resource)
+	if err != nil {
+		t.Fatalf("Campaign(%q) as %q: %v", resource, s.Holder, err)
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_ = l.Release(ctx)
+	})
+	return l
+}
+
+// createRevision reads key linearizably: its CreateRevision, 0 when it does not exist.
+func createRevision(t *testing.T, cli *clientv3.Client, key string) int64 {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
+	defer cancel()
+	resp, err := cli.Get(ctx, key)
+	if err != nil {
+		t.Fatalf("get %s: %v", key, err)
+	}
+	if len(resp.Kvs) == 0 {
+		return 0
+	}
+	return resp.Kvs[0].CreateRevision
+}
+
+func TestEtcdLease(t *testing.T) {
+	t.Parallel()
+	e := testenv.StartEtcd(t)
+	cli := e.Client(t)
+	store := func(holder string, ttl time.Duration) *lease.EtcdStore {
+		return &lease.EtcdStore{Client: cli, TTL: ttl, Holder: holder}
+	}
+
+	t.Run("acquire, renew past the TTL, release", func(t *testing.T) {
+		t.Parallel()
+		l := etcdCampaign(t, store("a", time.Second), "renew")
+		if l.Store() != lease.StoreEtcd || !strings.HasPrefix(l.Key(), "locks/renew/") || !strings.HasSuffix(l.Key(), "/"+l.Holder()) {
+			t.Errorf("lease: store %q key %q holder %q; want etcd, locks/renew/<holder>", l.Store(), l.Key(), l.Holder())
+		}
+		if got := createRevision(t, cli, l.Key()); got != l.Token() || got <= 0 {
+			t.Fatalf("token %d, leader key's CreateRevision %d: want equal", l.Token(), got)
+		}
+		// Three TTLs: only the session's keepalives keep it.
+		select {
+		case <-l.Done():
+			t.Fatalf("lease lost while kept alive: %v", l.Err())
+		case <-time.After(3 * time.Second):
+		}
+		if got := createRevision(t, cli, l.Key()); got != l.Token() {
+			t.Fatalf("after 3 TTLs the leader key's CreateRevision is %d, want %d", got, l.Token())
+		}
+		if err := l.Release(context.Background()); err != nil {
+			t.Fatalf("Release: %v", err)
+		}
+		if !errors.Is(l.Err(), lease.ErrReleased) {
+			t.Errorf("Err after Release = %v, want ErrReleased", l.Err())
+		}
+		waitClosed(t, "Done after Release", l.Done(), time.Second)
+		if got := createRevision(t, cli, l.Key()); got != 0 {
+			t.Errorf("leader key still there after Release (CreateRevision %d)", got)
+		}
+	})
+
+	t.Run("tokens grow across hand-overs and key deletion", func(t *testing.T) {
+		t.Parallel()
+		var last int64
+		for i, holder := range []string{"a", "b", "a", "a", "b"} {
+			l := etcdCampaign(t, store(holder, 5*time.Second), "handover")
+			if l.Token() <= last {
+				t.Fatalf("hand-over %d: token %d after %d, want higher", i, l.Token(), last)
+			}
+			last = l.Token()
+			if i == 2 {
+				// Someone deletes the leader key by hand: the holder learns it, and the
+				// next key's CreateRevision is still higher.
+				if _, err := cli.Delete(context.Background(), "locks/handover/", clientv3.WithPrefix()); err != nil {
+					t.Fatal(err)
+				}
+				waitClosed(t, "Done after the key was deleted", l.Done(), waitTimeout)
+				if err := l.Err(); !errors.Is(err, lease.ErrLockLost) || !strings.Contains(err.Error(), "deleted") {
+					t.Errorf("Err = %v, want ErrLockLost saying the key was deleted", err)
+				}
+			}
+			if err := l.Release(context.Background()); err != nil {
+				t.Fatal(err)
+			}
+		}
+	})
+
+	t.Run("a holder whose keepalives stop is taken over with a higher token", func(t *testing.T) {
+		t.Parallel()
+		own := e.Client(t) // closing it stops the session's keepalives; the server keeps the key until its TTL
+		a := etcdCampaign(t, &lease.EtcdStore{Client: own, TTL: 2 * time.Second, Holder: "a"}, "expiry")
+		own.Close()
+		waitClosed(t, "Done after the keepalives stopped", a.Done(), waitTimeout)
+		if err := a.Err(); !errors.Is(err, lease.ErrLockLost) {
+			t.Errorf("Err = %v, want ErrLockLost", err)
+		}
+		stopped := time.Now()
+		b := etcdCampaign(t, store("b", 2*time.Second), "expiry")
+		t.Logf("keepalives stopped -> new holder after %v (TTL 2s)", time.Since(stopped).Round(time.Millisecond))
+		if b.Token() <= a.Token() {
+			t.Errorf("token %d after %d, want higher", b.Token(), a.Token())
+		}
+		if got := createRevision(t, cli, a.Key()); got != 0 {
+			t.Errorf("the expired holder's key is still there")
+		}
+	})
+
+	t.Run("contenders are never two holders", func(t *testing.T) {
+		t.Parallel()
+		const contenders, rounds = 5, 4
+		var holding atomic.Int32
+		var mu sync.Mutex
+		var tokens []int64
+		var wg sync.WaitGroup
+		errs := make(chan error, contenders)
+		for i := range contenders {
+			wg.Go(func() {
+				s := store(fmt.Sprintf("c%d", i), 5*time.Second)
+				for range rounds {
+					ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+					l, err := s.Campaign(ctx, "contend")
+					cancel()
+					if err != nil {
+						errs <- err
+						return
+					}
+					if n := holding.Add(1); n != 1 {
+						errs <- fmt.Errorf("%d holders at once (token %d)", n, l.Token())
+					}
+					mu.Lock()
+					tokens = append(tokens, l.Token())
+					mu.Unlock()
+					time.Sleep(10 * time.Millisecond)
+					holding.Add(-1)
+					if err := l.Release(context.Background()); err != nil {
+						errs <- err
+						return
+					}
+				}
+			})
+		}
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			t.Error(err)
+		}
+		// Acquisitions were serialised, so the tokens in the order of acquisition grow.
+		for i := 1; i < len(tokens); i++ {
+			if tokens[i] <= tokens[i-1] {
+				t.Errorf("tokens in acquisition order %v: not increasing at %d", tokens, i)
+				break
+			}
+		}
+		if len(tokens) != contenders*rounds {
+			t.Errorf("%d acquisitions, want %d", len(tokens), contenders*rounds)
+		}
+	})
+
+	t.Run("TTLs etcd cannot grant are refused", func(t *testing.T) {
+		t.Parallel()
+		for _, ttl := range []time.Duration{1500 * time.Millisecond, 500 * time.Millisecond, 25 * time.Hour} {
+			_, err := store("x", ttl).Campaign(context.Background(), "ttl")
+			if !errors.Is(err, lease.ErrRefused) {
+				t.Errorf("TTL %v: %v, want ErrRefused", ttl, err)
+			}
+		}
+	})
+
+	t.Run("a cancelled campaign leaves no key behind", func(t *testing.T) {
+		t.Parallel()
+		holder := etcdCampaign(t, store("a", 5*time.Second), "cancel")
+		ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+		defer cancel()
+		if _, err := store("b", 5*time.Second).Campaign(ctx, "cancel"); !errors.Is(err, context.DeadlineExceeded) {
+			t.Errorf("Campaign while held: %v, want the deadline", err)
+		}
+		resp, err := cli.Get(context.Background(), "locks/cancel/", clientv3.WithPrefix())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(resp.Kvs) != 1 || string(resp.Kvs[0].Key) != holder.Key() {
+			t.Errorf("keys under the prefix after a cancelled campaign: %v, want only the holder's", resp.Kvs)
+		}
+	})
+}
+
+// TestEtcdLeaseServerDown: a holder that cannot reach etcd counts its lease lost one TTL
+// after its last renewal, without etcd's word; Release afterwards returns nil.
+func TestEtcdLeaseServerDown(t *testing.T) {
+	t.Parallel()
+	e := testenv.StartEtcd(t)
+	l := etcdCampaign(t, &lease.EtcdStore{Client: e.Client(t), TTL: 2 * time.Second, Holder: "a", Logger: zaptest.NewLogger(t)}, "down")
+	e.Stop(t)
+	stopped := time.Now()
+	waitClosed(t, "Done with etcd down", l.Done(), waitTimeout)
+	t.Logf("lease lost %v after etcd stopped (TTL 2s)", time.Since(stopped).Round(time.Millisecond))
+	if err := l.Err(); !errors.Is(err, lease.ErrLockLost) || !strings.Contains(err.Error(), "not renewed within its TTL") {
+		t.Errorf("Err = %v, want ErrLockLost: not renewed within its TTL", err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	if err := l.Release(ctx); err != nil {
+		t.Errorf("Release of a lost lease with etcd down: %v, want nil", err)
+	}
+}
+
+// runEtcdHolder is the frozen holder of TestEtcdLeaseFrozenHolder, in a process of its own:
+// it wins the election of $LEASE_TEST_RESOURCE on $LEASE_TEST_ETCD with a 2 s TTL, prints
+// "token N", then "lost ERROR" when the lease is lost.
+func runEtcdHolder() int {
+	cli, err := lease.NewEtcdClient(lease.EtcdConfig{Endpoints: []string{os.Getenv("LEASE_TEST_ETCD")}})
+	if err != nil {
+		fmt.Println("error", err)
+		return 1
+	}
+	s := &lease.EtcdStore{Client: cli, TTL: 2 * time.Second, Holder: "frozen"}
+	l, err := s.Campaign(context.Background(), os.Getenv("LEASE_TEST_RESOURCE"))
+	if err != nil {
+		fmt.Println("error", err)
+		return 1
+	}
+	fmt.Println("token", l.Token())
+	<-l.Done()
+	fmt.Println("lost", l.Err())
+	return 0
+}
+
+// TestEtcdLeaseFrozenHolder freezes a holder (a process of its own, SIGSTOP): etcd expires
+// its session, another holder wins with a higher token, and the old holder learns that its
+// lease is lost when it thaws.
+func TestEtcdLeaseFrozenHolder(t *testing.T) {
+	t.Parallel()
+	e := testenv.StartEtcd(t)
+	const resource = "frozen"
+	holder, _, next := startHolder(t, "LEASE_TEST_ETCD_HOLDER=1", "LEASE_TEST_ETCD="+e.Endpoint, "LEASE_TEST_RESOURCE="+resource)
+	token, err := strconv.ParseInt(strings.TrimPrefix(next("token "), "token "), 10, 64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := holder.Process.Signal(syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	frozen := time.Now()
+	contender := etcdCampaign(t, &lease.EtcdStore{Client: e.Client(t), TTL: 2 * time.Second, Holder: "contender"}, resource)
+	t.Logf("holder frozen -> new holder after %v (TTL 2s)", time.Since(frozen).Round(time.Millisecond))
+	if contender.Token() <= token {
+		t.Errorf("tokens %d then %d, want higher", token, contender.Token())
+	}
+	thawed := time.Now()
+	if err := holder.Process.Signal(syscall.SIGCONT); err != nil {
+		t.Fatal(err)
+	}
+	line := next("lost ")
+	t.Logf("thawed holder learned %v later: %s", time.Since(thawed).Round(time.Millisecond), line)
+	if !strings.Contains(line, lease.ErrLockLost.Error()) {
+		t.Errorf("holder's loss: %q, want %v", line, lease.ErrLockLost)
+	}
+}

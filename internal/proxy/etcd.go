@@ -1,0 +1,274 @@
+package proxy
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
+
+	"github.com/fenceproxy/fenceproxy/internal/fence"
+	"github.com/fenceproxy/fenceproxy/internal/lease"
+)
+
+// etcdReadTimeout bounds each read of an election: an etcd that does not answer within it
+// is unreachable, and sessions are refused (ZF007) rather than kept waiting.
+const etcdReadTimeout = 5 * time.Second
+
+// EtcdGuard ties the proxy to etcd elections (lease.EtcdStore, `fenceproxy lock --store
+// etcd`): it admits a session's token only when it is the CreateRevision of the current
+// leader key, read linearizably at session start (Admitter), and it fences proactively: a
+// watch of each election raises a new leader's token in the database at once (before the
+// new leader connects). It fails closed (ZF007) when etcd cannot be read, and when etcd's
+// revisions went backwards (a snapshot restore): a store revision lower than one seen
+// before, or a leader whose token is below the one the database admitted.
+//
+// Like the Consul Guard, etcd's word is needed to admit a token, never to keep the
+// guarantee: the database's bind and raise order commits whatever the guard knows.
+type EtcdGuard struct {
+	client   *clientv3.Client
+	reg      *fence.Registry
+	log      *zap.Logger
+	prefixes map[string]string // resource -> election prefix, with its trailing "/"
+	pool     *pgxpool.Pool     // control database for proactive raises (nil: none)
+	key      fence.Key
+
+	mu      sync.Mutex
+	highest int64                   // the highest store revision read
+	regress map[string]*fence.Error // resource -> why it fails closed
+}
+
+// EtcdGuardOptions configure NewEtcdGuard.
+type EtcdGuardOptions struct {
+	Logger   *zap.Logger
+	Registry *fence.Registry // the server's
+}
+
+// NewEtcdGuard builds an EtcdGuard for cfg's EtcdResources (NAME=PREFIX, each NAME also a
+// --resource without a Consul key). It returns nil, nil when there are none.
+func NewEtcdGuard(ctx context.Context, cfg Config, opts EtcdGuardOptions) (*EtcdGuard, error) {
+	if len(cfg.EtcdResources) == 0 {
+		return nil, nil
+	}
+	s, err := cfg.validate()
+	if err != nil {
+		return nil, err
+	}
+	if opts.Registry == nil {
+		return nil, errors.New("proxy: NewEtcdGuard needs the server's registry")
+	}
+	if len(cfg.EtcdEndpoints) == 0 {
+		return nil, errors.New("etcd-resource needs etcd-endpoints")
+	}
+	g := &EtcdGuard{reg: opts.Registry, log: opts.Logger, prefixes: map[string]string{}, key: s.Key, regress: map[string]*fence.Error{}}
+	if g.log == nil {
+		g.log = zap.NewNop()
+	}
+	for _, spec := range cfg.EtcdResources {
+		name, prefix, ok := strings.Cut(spec, "=")
+		if !ok || prefix == "" {
+			return nil, fmt.Errorf("etcd-resource %q: want NAME=PREFIX (the election prefix of fenceproxy lock --store etcd, e.g. billing=locks/billing)", spec)
+		}
+		known := false
+		for _, r := range s.resources {
+			if r.Name == name {
+				known = true
+				if r.Key != "" {
+					return nil, fmt.Errorf("etcd-resource %q: resource %s is validated against Consul already", spec, name)
+				}
+			}
+		}
+		if !known {
+			return nil, fmt.Errorf("etcd-resource %q: %s is not a --resource", spec, name)
+		}
+		g.prefixes[name] = strings.TrimSuffix(prefix, "/") + "/"
+	}
+	g.client, err = lease.NewEtcdClient(lease.EtcdConfig{Endpoints: cfg.EtcdEndpoints, Logger: g.log.Named("etcd-client").WithOptions(zap.IncreaseLevel(zap.WarnLevel))})
+	if err != nil {
+		return nil, err
+	}
+	if s.ControlDatabase != "" {
+		if g.pool, err = pgxpool.New(ctx, s.ControlDatabase); err != nil {
+			_ = g.client.Close()
+			return nil, fmt.Errorf("control database: %w", err)
+		}
+	} else {
+		g.log.Warn("no --control-database: a new etcd leader's token is raised in the database only when it connects")
+	}
+	return g, nil
+}
+
+// leader reads resource's election linearizably: the leader key's CreateRevision (0: no
+// leader) and the store's revision at the read. A store revision below one read before is
+// a regression, and fails the resource closed.
+func (g *EtcdGuard) leader(ctx context.Context, res string) (leader, store int64, err error) {
+	rctx, cancel := context.WithTimeout(ctx, etcdReadTimeout)
+	defer cancel()
+	resp, err := g.client.Get(rctx, g.prefixes[res], clientv3.WithFirstCreate()...)
+	if err != nil {
+		return 0, 0, err
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	store = resp.Header.Revision
+	if store < g.highest {
+		g.failClosed(res, fmt.Sprintf("etcd's store revision went from %d to %d (a snapshot restore?)", g.highest, store))
+	} else {
+		g.highest = store
+	}
+	if len(resp.Kvs) == 0 {
+		return 0, store, nil
+	}
+	return resp.Kvs[0].CreateRevision, store, nil
+}
+
+// failClosed blocks res for good (until the proxy restarts), with g.mu held.
+func (g *EtcdGuard) failClosed(res, why string) {
+	if g.regress[res] != nil {
+		return
+	}
+	fe := fence.Unavailable(res, "etcd's revisions went backwards: "+why)
+	fe.Hint = "Restore etcd with etcdutl snapshot restore --bump-revision, or reset the resource's fence (`fenceproxy fence reset --resource " +
+		res + " --token <the new leader's revision>`), then restart the proxies (README: The etcd store, What a restore does)."
+	g.regress[res] = fe
+	g.log.Error("failing closed: etcd revision regression", zap.String("resource", res), zap.String("store", lease.StoreEtcd), zap.String("why", why))
+	g.reg.Block(res, fe)
+}
+
+func (g *EtcdGuard) regression(res string) *fence.Error {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.regress[res]
+}
+
+// Admit implements Admitter: the token must be the current leader key's CreateRevision.
+func (g *EtcdGuard) Admit(ctx context.Context, c fence.Credentials) error {
+	if _, ok := g.prefixes[c.Resource]; !ok {
+		return nil
+	}
+	rev, _, err := g.leader(ctx, c.Resource)
+	if fe := g.regression(c.Resource); fe != nil {
+		return fe
+	}
+	switch {
+	case err != nil:
+		return fence.Unavailable(c.Resource, "etcd's election state is unknown ("+err.Error()+"); no token is admitted without etcd's word")
+	case rev == 0:
+		fe := fence.NotHeld(c.Resource, c.Token)
+		fe.Message = fmt.Sprintf("fencing lock not held: the etcd election of resource %q has no leader (token %d); the session expired or resigned", c.Resource, c.Token)
+		fe.Hint = "Campaign again and use the new leader key's CreateRevision."
+		return fe
+	case c.Token < rev:
+		return fence.Stale(c.Resource, c.Token, rev)
+	case c.Token > rev:
+		fe := fence.NotIssued(c.Resource, c.Token, rev)
+		fe.Message = fmt.Sprintf("fencing token not issued: resource %q token %d is higher than the CreateRevision %d of etcd's current leader key", c.Resource, c.Token, rev)
+		fe.Hint = "Use the leader key's CreateRevision (concurrency.Election.Rev()) that this process won the election with."
+		return fe
+	}
+	return nil
+}
+
+// Run watches every election until ctx ends, raising each new leader's token.
+func (g *EtcdGuard) Run(ctx context.Context) error {
+	var wg sync.WaitGroup
+	for res := range g.prefixes {
+		wg.Go(func() { g.follow(ctx, res) })
+	}
+	wg.Wait()
+	if g.pool != nil {
+		g.pool.Close()
+	}
+	return g.client.Close()
+}
+
+// follow reads res's election, reacts, and waits for the next change under its prefix.
+func (g *EtcdGuard) follow(ctx context.Context, res string) {
+	log := g.log.With(zap.String("resource", res), zap.String("store", lease.StoreEtcd))
+	for ctx.Err() == nil {
+		rev, store, err := g.leader(ctx, res)
+		if err != nil {
+			log.Warn("read etcd election", zap.Error(err))
+			sleep(ctx, time.Second)
+			continue
+		}
+		if rev > 0 && g.regression(res) == nil {
+			g.observe(ctx, res, rev, log)
+		}
+		wctx, wcancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
+		wch := g.client.Watch(wctx, g.prefixes[res], clientv3.WithPrefix(), clientv3.WithRev(store+1))
+		select {
+		case <-ctx.Done():
+		case <-wch: // any change, or the watch ended: read again
+		}
+		wcancel()
+	}
+}
+
+// observe raises a leader's token that is new to this proxy.
+func (g *EtcdGuard) observe(ctx context.Context, res string, rev int64, log *zap.Logger) {
+	if rev <= g.reg.Highest("", res) {
+		return
+	}
+	// Sessions of older tokens are ended from now on, in every database; the database
+	// raise makes it binding for every proxy.
+	g.reg.Observe("", res, rev)
+	if g.pool == nil {
+		return
+	}
+	var stored int64
+	err := g.pool.AcquireFunc(ctx, func(c *pgxpool.Conn) error {
+		var err error
+		stored, err = g.key.Raise(ctx, c.Conn(), res, rev)
+		return err
+	})
+	switch {
+	case err != nil:
+		log.Error("proactive raise failed; the new leader's token is raised when it connects", zap.Int64("token", rev), zap.Error(err))
+	case stored > rev:
+		g.mu.Lock()
+		g.failClosed(res, fmt.Sprintf("the database admitted token %d but etcd's leader key was created at revision %d", stored, rev))
+		g.mu.Unlock()
+	default:
+		log.Info("raised token for the new leader", zap.Int64("token", rev))
+	}
+}
+
+// Admitters admits a session when each of its Admitters does (each validates its own
+// resources and admits the others'), for a proxy that validates against Consul and etcd.
+type Admitters []Admitter
+
+// Admit implements Admitter.
+func (as Admitters) Admit(ctx context.Context, c fence.Credentials) error {
+	for _, a := range as {
+		if err := a.Admit(ctx, c); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Validates reports whether one of the Admitters checks resource's tokens against Consul
+// (see session.admit).
+func (as Admitters) Validates(resource string) bool {
+	for _, a := range as {
+		if v, ok := a.(interface{ Validates(string) bool }); ok && v.Validates(resource) {
+			return true
+		}
+	}
+	return false
+}
+
+func sleep(ctx context.Context, d time.Duration) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+	case <-t.C:
+	}
+}
