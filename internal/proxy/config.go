@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
+	"github.com/fenceproxy/fenceproxy/internal/lease"
 	"github.com/fenceproxy/fenceproxy/internal/wire"
 )
 
@@ -89,6 +90,10 @@ type Config struct {
 	ConsulCAFile   string `help:"CA file for TLS to Consul." name:"consul-ca-file" type:"path"`
 	ConsulScheme   string `help:"http or https." name:"consul-scheme" default:"http"`
 	ConsulDownMode string `help:"When Consul is unreachable: refuse (no new sessions; default) or trust-database (admit tokens not lower than the stored one)." name:"consul-down" default:"refuse" enum:"refuse,trust-database"`
+	// ConsulTokenMode says which number of a lock key is the token: lockindex (the
+	// LockIndex, the default) or create-lock (CreateIndex×2^24+LockIndex, which stays
+	// monotonic when the key is deleted and re-created; see lease.EncodeToken).
+	ConsulTokenMode string `help:"Which number of the Consul lock key is the token: lockindex (its LockIndex; the key must never be deleted) or create-lock (CreateIndex*2^24+LockIndex: keeps growing when the key is deleted and re-created, as consul lock and api.Lock's Destroy do)." name:"consul-token-mode" default:"lockindex" enum:"lockindex,create-lock"`
 }
 
 // Resource is a configured resource.
@@ -141,6 +146,9 @@ func (c Config) validate() (*settings, error) {
 	case ConsulDownRefuse, ConsulDownTrustDatabase:
 	default:
 		return nil, fmt.Errorf("consul-down: %q is not refuse or trust-database", s.ConsulDownMode)
+	}
+	if _, err := lease.ParseTokenMode(s.ConsulTokenMode); err != nil {
+		return nil, fmt.Errorf("consul-token-mode: %w", err)
 	}
 	switch s.Unfenced {
 	case "":

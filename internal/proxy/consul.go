@@ -40,6 +40,7 @@ type Guard struct {
 	pool     *pgxpool.Pool // control database for proactive raises (nil: none)
 	key      fence.Key     // the proxy key, for the raise's proof
 	metrics  *guardMetrics
+	mode     lease.TokenMode // which number of a key is the token
 
 	raiseMu sync.Mutex // one raise at a time per Guard keeps the log readable
 }
@@ -88,10 +89,10 @@ func NewGuard(ctx context.Context, cfg Config, opts GuardOptions) (*Guard, error
 	if err != nil {
 		return nil, err
 	}
-	return g.finish(ctx, client, keys, s.ControlDatabase, opts.Registerer)
+	return g.finish(ctx, client, keys, s.ControlDatabase, lease.TokenMode(s.ConsulTokenMode), opts.Registerer)
 }
 
-func (g *Guard) finish(ctx context.Context, client *api.Client, keys []string, control string, reg prometheus.Registerer) (*Guard, error) {
+func (g *Guard) finish(ctx context.Context, client *api.Client, keys []string, control string, mode lease.TokenMode, reg prometheus.Registerer) (*Guard, error) {
 	g.metrics = &guardMetrics{
 		regressions: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "fenceproxy_lockindex_regressions_total",
 			Help: "Consul LockIndex regressions detected; the resource fails closed until an operator resets it."}, []string{"resource"}),
@@ -103,11 +104,12 @@ func (g *Guard) finish(ctx context.Context, client *api.Client, keys []string, c
 	if reg != nil {
 		reg.MustRegister(g.metrics.regressions, g.metrics.raises, g.metrics.known)
 	}
-	w, err := lease.NewWatcher(client, lease.WatcherConfig{Keys: keys, OnChange: g.onChange, Logger: g.log})
+	w, err := lease.NewWatcher(client, lease.WatcherConfig{Keys: keys, OnChange: g.onChange, Logger: g.log, Mode: mode})
 	if err != nil {
 		return nil, err
 	}
 	g.watcher = w
+	g.mode = mode
 	if control != "" {
 		pool, err := pgxpool.New(ctx, control)
 		if err != nil {
@@ -152,9 +154,11 @@ func (g *Guard) Admit(ctx context.Context, c fence.Credentials) error {
 	case errors.As(err, &re):
 		return regressionError(c.Resource, re)
 	case errors.Is(err, lease.ErrStale):
-		return fence.Stale(c.Resource, c.Token, int64(st.LockIndex))
+		cur, _ := st.Current()
+		return fence.Stale(c.Resource, c.Token, cur)
 	case errors.Is(err, lease.ErrNotIssued):
-		return fence.NotIssued(c.Resource, c.Token, int64(st.LockIndex))
+		cur, _ := st.Current()
+		return fence.NotIssued(c.Resource, c.Token, cur)
 	case errors.Is(err, lease.ErrNotHeld):
 		return fence.NotHeld(c.Resource, c.Token)
 	case errors.Is(err, lease.ErrSessionMismatch):
@@ -174,7 +178,7 @@ func (g *Guard) Admit(ctx context.Context, c fence.Credentials) error {
 }
 
 func regressionError(resource string, re *lease.RegressionError) *fence.Error {
-	return fence.Regression(resource, fmt.Sprintf("Consul's LockIndex for lock %q went backwards: %s", re.Key, re.Reason))
+	return fence.Regression(resource, fmt.Sprintf("the token of Consul lock %q went backwards: %s", re.Key, re.Reason))
 }
 
 // onChange reacts to a lock's new state (called by the watcher, in order per key).
@@ -194,14 +198,20 @@ func (g *Guard) onChange(st lease.State) {
 		g.reg.Block(res, regressionError(res, st.Regression))
 		return
 	}
-	if !st.Held || st.LockIndex == 0 {
+	tok, err := st.Token()
+	switch {
+	case errors.Is(err, lease.ErrNotHeld):
 		// Nobody holds the lock: the last holder's sessions get no new
 		// transactions until a holder exists again.
-		g.reg.Block(res, fence.NotHeld(res, int64(st.LockIndex)))
+		cur, _ := st.Current()
+		g.reg.Block(res, fence.NotHeld(res, cur))
+		return
+	case err != nil:
+		// Indexes outside the token's encoding (lease.ErrTokenRange).
+		g.reg.Block(res, fence.Unavailable(res, err.Error()))
 		return
 	}
 	g.reg.Block(res, nil)
-	tok := int64(st.LockIndex)
 	if tok > g.reg.Highest("", res) {
 		// Sessions of older tokens are ended from now on, in every database;
 		// the database raise makes it binding for every proxy.
@@ -232,7 +242,7 @@ func (g *Guard) raise(res string, tok int64) {
 		// numbers went backwards across a restart of this proxy.
 		g.metrics.raises.WithLabelValues(res, "regression").Inc()
 		g.metrics.regressions.WithLabelValues(res).Inc()
-		re := &lease.RegressionError{Key: g.keys[res], Reason: fmt.Sprintf("the database admitted token %d but Consul's LockIndex is %d", stored, tok), Highest: uint64(stored)}
+		re := &lease.RegressionError{Key: g.keys[res], Reason: fmt.Sprintf("the database admitted token %d but Consul's current token is %d", stored, tok), Highest: uint64(stored), Seen: lease.State{Mode: g.mode}}
 		g.log.Error("failing closed: stored token above Consul's LockIndex", zap.String("resource", res), zap.Int64("stored", stored), zap.Int64("lock_index", tok))
 		g.reg.Block(res, regressionError(res, re))
 	default:
