@@ -371,6 +371,40 @@ func (w *Watcher) Reset(key string) error {
 	return nil
 }
 
+// Regress marks the key's state regressed with reason (unless it already is), as if the watch
+// had seen it: for regressions learned elsewhere (the database's record of one, made by another
+// proxy or before a restart). It is sticky until Reset, and reported through OnChange.
+func (w *Watcher) Regress(key, reason string) error {
+	k, ok := w.keys[key]
+	if !ok {
+		return fmt.Errorf("lease: Regress: key %q is not watched", key)
+	}
+	k.emit.Lock()
+	defer k.emit.Unlock()
+	w.mu.Lock()
+	prev := k.state
+	if prev.Regression != nil {
+		w.mu.Unlock()
+		return nil
+	}
+	next := prev
+	next.Regression = &RegressionError{Key: key, Reason: reason, Highest: k.highest, CreateIndex: k.createIndex, Seen: prev, At: time.Now()}
+	k.state = next
+	w.mu.Unlock()
+	w.log.Error("consul token regression recorded elsewhere: failing closed for this lock",
+		zap.String("key", key), zap.Error(next.Regression))
+	w.notify(next)
+	return nil
+}
+
+// Read is a consistent read of a watched key, with the watcher's token mode; it changes
+// nothing in the watcher.
+func (w *Watcher) Read(ctx context.Context, key string) (State, error) {
+	s, err := Read(ctx, w.client, key)
+	s.Mode = w.cfg.Mode
+	return s, err
+}
+
 // Validate is the token check at session start. It refuses while the key's state is not
 // known (never synchronised, Consul lost, or not yet resynchronised after an outage) or
 // regressed, then does its own consistent read and checks the token against it
