@@ -145,3 +145,61 @@ func TestLockPostgres(t *testing.T) {
 		}
 	})
 }
+
+// TestLockSupervisorKilled: SIGKILL of the `fenceproxy lock` supervisor stops its child at
+// once (Linux's parent-death signal), instead of leaving it writing with its token until the
+// next holder fences it.
+func TestLockSupervisorKilled(t *testing.T) {
+	bin := buildBinary(t)
+	pg := testenv.StartPostgres(t)
+	admin := pg.AdminURL()
+	testenv.Migrate(t, admin)
+	dir := t.TempDir()
+	pidFile := filepath.Join(dir, "pid")
+	cmd := exec.Command(bin, "lock", "--store", "postgres", "--database", admin, "--resource", "billing",
+		"--ttl", "5s", "--", "/bin/sh", "-c", `echo $$ > "$PIDFILE.tmp" && mv "$PIDFILE.tmp" "$PIDFILE" && exec sleep 300`)
+	cmd.Env = append(os.Environ(), "PIDFILE="+pidFile)
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+	var child int
+	deadline := time.Now().Add(60 * time.Second)
+	for child == 0 {
+		if b, err := os.ReadFile(pidFile); err == nil {
+			child, _ = strconv.Atoi(strings.TrimSpace(string(b)))
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the child did not start within 60 s")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	t.Cleanup(func() { _ = syscall.Kill(child, syscall.SIGKILL) })
+	if !running(child) {
+		t.Fatalf("child %d not running", child)
+	}
+	if err := cmd.Process.Signal(syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	_ = cmd.Wait()
+	deadline = time.Now().Add(30 * time.Second)
+	for running(child) {
+		if time.Now().After(deadline) {
+			t.Fatalf("child %d still running 30 s after its supervisor was killed", child)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// running reports whether process pid exists and is not a zombie (a reaper that does not reap
+// leaves the dead child listed).
+func running(pid int) bool {
+	b, err := os.ReadFile(filepath.Join("/proc", strconv.Itoa(pid), "stat"))
+	if err != nil {
+		return false
+	}
+	// pid (comm) state ...: the state follows the last ')'.
+	s := string(b)
+	i := strings.LastIndexByte(s, ')')
+	return i >= 0 && i+2 < len(s) && s[i+2] != 'Z' && s[i+2] != 'X'
+}
