@@ -127,7 +127,7 @@ func Unavailable(resource, why string) *Error {
 func Regression(resource, why string) *Error {
 	fe := Unavailable(resource, "LockIndex regression: "+why)
 	fe.Hint = "An operator must reset the resource: `fenceproxy fence reset --resource " + resource +
-		" --token <the lock's current token>` on the database, then restart the proxies (README: LockIndex regressions)."
+		" --token <the lock's current token>` on the database; proxies whose --control-database is that database follow it at once, restart the others (README: LockIndex regressions)."
 	return fe
 }
 

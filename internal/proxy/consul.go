@@ -40,6 +40,7 @@ type Guard struct {
 	byKey    map[string]string // key -> resource
 	downMode string
 	pool     *pgxpool.Pool // control database for proactive raises (nil: none)
+	control  string        // its URL, for the LISTEN of fence resets
 	key      fence.Key     // the proxy key, for the raise's proof
 	metrics  *guardMetrics
 	mode     lease.TokenMode // which number of a key is the token
@@ -125,6 +126,7 @@ func (g *Guard) finish(ctx context.Context, client *api.Client, keys []string, c
 			return nil, fmt.Errorf("control database: %w", err)
 		}
 		g.pool = pool
+		g.control = control
 	} else {
 		g.log.Warn("no --control-database: a new holder's token is raised in the database only when it connects")
 	}
@@ -140,6 +142,9 @@ func (g *Guard) Run(ctx context.Context) error {
 		}
 	}()
 	if g.pool != nil {
+		resets := make(chan struct{})
+		go func() { defer close(resets); g.followResets(ctx, g.control) }()
+		defer func() { <-resets }()
 		if err := g.loadRegressions(ctx); err != nil {
 			g.log.Error("could not read the regressions recorded in the database (is the fence schema at version 7? run fenceproxy migrate); they are learned at the next admission",
 				zap.Error(err))

@@ -115,9 +115,6 @@ func TestConsulRegressionSurvivesRestart(t *testing.T) {
 		}
 		return nil
 	})
-	p1.stop()
-	s.cancel() // the setup's own Guard too: every proxy restarts
-
 	// LockIndex climbs back to the stored token under a new holder.
 	if _, err := s.client.Session().Destroy(a, nil); err != nil {
 		t.Fatal(err)
@@ -129,6 +126,13 @@ func TestConsulRegressionSurvivesRestart(t *testing.T) {
 	if got := reacquire(t, s.client, "locks/billing", b); got != tok {
 		t.Fatalf("LockIndex %d, want %d", got, tok)
 	}
+	wantCode(t, connectErr(p1.url(tok, "fence.session="+b)), fence.CodeUnavailable)
+	// One regression, reported once, through all the changes that followed it.
+	if n := p1.regressionLines(); n != 1 {
+		t.Errorf("proxy 1 logged %d 'failing closed' lines, want 1", n)
+	}
+	p1.stop()
+	s.cancel() // the setup's own Guard too: every proxy restarts
 
 	p2 := startGuardedProxy(t, s)
 	for name, url := range map[string]string{"new holder": p2.url(tok, "fence.session="+b), "old holder": p2.url(tok)} {
@@ -139,15 +143,17 @@ func TestConsulRegressionSurvivesRestart(t *testing.T) {
 	if n := count(t, s.admin, "SELECT count(*)::int FROM items"); n != 1 {
 		t.Fatalf("%d rows, want only the first holder's", n)
 	}
+	if n := p2.regressionLines(); n != 1 {
+		t.Errorf("proxy 2 logged %d 'failing closed' lines, want 1", n)
+	}
 
-	// The operator's way out: reset the stored token to Consul's, restart the proxies.
+	// The operator's way out: reset the stored token to Consul's. The running proxy follows
+	// it (its LISTEN on the control database), no restart needed.
 	mustExec(t, s.admin, "SELECT fence.reset('billing', $1)", tok)
-	p2.stop()
-	p3 := startGuardedProxy(t, s)
 	eventually(t, "admitted after reset", func() error {
 		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 		defer cancel()
-		c, err := pgx.Connect(ctx, p3.url(tok, "fence.session="+b))
+		c, err := pgx.Connect(ctx, p2.url(tok, "fence.session="+b))
 		if err != nil {
 			return err
 		}
