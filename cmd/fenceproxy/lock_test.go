@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/fenceproxy/fenceproxy/internal/fence"
 	"github.com/fenceproxy/fenceproxy/internal/proxy"
 	"github.com/fenceproxy/fenceproxy/internal/testenv"
 )
@@ -202,4 +203,54 @@ func running(pid int) bool {
 	s := string(b)
 	i := strings.LastIndexByte(s, ')')
 	return i >= 0 && i+2 < len(s) && s[i+2] != 'Z' && s[i+2] != 'X'
+}
+
+// TestConsulMisconfigured: a wrong scheme or a dead Consul port makes `fenceproxy serve` exit at
+// start with the cause (instead of logging a warning and refusing every session), and
+// `fenceproxy lock` stops campaigning on a refusal that retrying cannot change.
+func TestConsulMisconfigured(t *testing.T) {
+	bin := buildBinary(t)
+	c := testenv.StartConsul(t)
+	keyFile := filepath.Join(t.TempDir(), "proxy.key")
+	if err := fence.WriteKeyFile(keyFile, testenv.Key); err != nil {
+		t.Fatal(err)
+	}
+	dead := "127.0.0.1:" + strconv.Itoa(testenv.FreePort(t))
+	run := func(args ...string) (string, error) {
+		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+		defer cancel()
+		out, err := exec.CommandContext(ctx, bin, args...).CombinedOutput()
+		if ctx.Err() != nil {
+			t.Fatalf("%v still running after 60 s:\n%s", args, out)
+		}
+		return string(out), err
+	}
+	serve := func(consul string, more ...string) []string {
+		return append([]string{"serve", "--upstream", "postgres://127.0.0.1:1", "--listen", "127.0.0.1:0",
+			"--resource", "billing=locks/billing", "--key-file", keyFile, "--consul-addr", consul}, more...)
+	}
+	for _, tc := range []struct {
+		name string
+		args []string
+		want string
+	}{
+		{"serve, https to an http port", serve("https://" + c.Addr), "HTTP response to HTTPS client"},
+		{"serve, dead port", serve(dead, "--consul-start-timeout", "2s"), "consul did not answer"},
+		{"lock, https to an http port", []string{"lock", "--resource", "billing", "--consul-addr", "https://" + c.Addr, "--", "true"},
+			"campaign refused"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			out, err := run(tc.args...)
+			var ee *exec.ExitError
+			if !errors.As(err, &ee) || !strings.Contains(out, tc.want) {
+				t.Fatalf("want a failed exit saying %q; got %v:\n%s", tc.want, err, out)
+			}
+			t.Logf("exit %d: %s", ee.ExitCode(), lastLine(out))
+		})
+	}
+}
+
+func lastLine(s string) string {
+	lines := strings.Split(strings.TrimSpace(s), "\n")
+	return lines[len(lines)-1]
 }

@@ -1,9 +1,14 @@
 package lease
 
 import (
+	"crypto/tls"
 	"errors"
 	"fmt"
+	"net/http"
+	"strings"
 	"time"
+
+	"github.com/hashicorp/consul/api"
 )
 
 // Sentinel errors. Callers ask errors.Is questions; the SQLSTATE each maps to is the one
@@ -43,6 +48,22 @@ var (
 	// failed authentication). RunLocked returns it instead of campaigning again.
 	ErrRefused = errors.New("campaign refused")
 )
+
+// Permanent reports whether a Consul error is one that retrying cannot change: an ACL refusal
+// (HTTP 401 or 403: a token without the rights, or none where ACLs are on), or a scheme that
+// does not match the server's (HTTPS to an HTTP port, HTTP to an HTTPS port). A refused
+// connection, a timeout or a 5xx may pass and are not permanent.
+func Permanent(err error) bool {
+	var se api.StatusError
+	if errors.As(err, &se) {
+		return se.Code == http.StatusUnauthorized || se.Code == http.StatusForbidden ||
+			se.Code == http.StatusBadRequest && strings.Contains(se.Body, "HTTP request to an HTTPS server")
+	}
+	var rhe tls.RecordHeaderError
+	return errors.Is(err, http.ErrSchemeMismatch) || errors.As(err, &rhe) ||
+		// The api package flattens the transport's error into text in places.
+		err != nil && strings.Contains(err.Error(), http.ErrSchemeMismatch.Error())
+}
 
 // TokenError is the answer of a token check that failed: which lock, which token, what
 // Consul said. It matches (errors.Is) exactly one of ErrStale, ErrNotIssued, ErrNotHeld,

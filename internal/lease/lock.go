@@ -69,6 +69,9 @@ func Acquire(ctx context.Context, s *Session, key string) (*Lock, error) {
 		if err == nil && l != nil {
 			return l, nil
 		}
+		if Permanent(err) {
+			return nil, fmt.Errorf("lease: acquire %q: %w: %w", key, ErrRefused, err)
+		}
 		if err != nil {
 			if acquireAborted(ctx, s) == nil {
 				s.log.Warn("acquire lock", zap.String("key", key), zap.Error(err))
@@ -342,6 +345,10 @@ func (c *ConsulStore) Campaign(ctx context.Context, resource string) (Lease, err
 	}
 	sess, err := NewSession(context.WithoutCancel(ctx), c.Client,
 		WithTTL(ttl), WithLockDelay(c.LockDelay), WithLogger(log), WithName("fenceproxy lock "+resource))
+	if Permanent(err) {
+		// An ACL refusal or a wrong scheme: campaigning again cannot change it.
+		return nil, fmt.Errorf("%w: %w", ErrRefused, err)
+	}
 	if err != nil {
 		return nil, err
 	}

@@ -3,6 +3,7 @@ package lease_test
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"strings"
 	"testing"
@@ -176,5 +177,26 @@ func TestConsulStoreCreateLock(t *testing.T) {
 	bad := &lease.ConsulStore{Client: client, TokenMode: "createindex"}
 	if _, err := bad.Campaign(testCtx(t), "store"); !errors.Is(err, lease.ErrRefused) {
 		t.Errorf("unknown mode: %v, want ErrRefused", err)
+	}
+}
+
+// TestPermanent: the Consul errors that retrying cannot change. (The scheme mismatch is also
+// run against a real Consul in cmd/fenceproxy's TestConsulMisconfigured; the ACL answers are
+// Consul's api.StatusError values, as its client returns them.)
+func TestPermanent(t *testing.T) {
+	for _, tt := range []struct {
+		err  error
+		want bool
+	}{
+		{api.StatusError{Code: 403, Body: "Permission denied: token with AccessorID '...' lacks permission 'key:read'"}, true},
+		{fmt.Errorf("consistent read: %w", api.StatusError{Code: 401, Body: "ACL not found"}), true},
+		{api.StatusError{Code: 400, Body: "Client sent an HTTP request to an HTTPS server."}, true},
+		{api.StatusError{Code: 500, Body: "No cluster leader"}, false},
+		{errors.New("dial tcp 127.0.0.1:1: connect: connection refused"), false},
+		{nil, false},
+	} {
+		if got := lease.Permanent(tt.err); got != tt.want {
+			t.Errorf("Permanent(%v) = %t, want %t", tt.err, got, tt.want)
+		}
 	}
 }

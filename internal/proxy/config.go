@@ -85,11 +85,13 @@ type Config struct {
 	DebugPprof bool `help:"Also serve Go's profiler at /debug/pprof/ on --metrics-listen (for performance work)."`
 
 	// Consul configures token validation (see internal/lease).
-	ConsulAddr     string `help:"Consul HTTP address; empty: tokens are not validated against Consul." name:"consul-addr"`
-	ConsulToken    string `help:"Consul ACL token." name:"consul-token"`
-	ConsulCAFile   string `help:"CA file for TLS to Consul." name:"consul-ca-file" type:"path"`
-	ConsulScheme   string `help:"http or https." name:"consul-scheme" default:"http"`
-	ConsulDownMode string `help:"When Consul is unreachable: refuse (no new sessions; default) or trust-database (admit tokens not lower than the stored one)." name:"consul-down" default:"refuse" enum:"refuse,trust-database"`
+	ConsulAddr   string `help:"Consul HTTP address; empty: tokens are not validated against Consul." name:"consul-addr"`
+	ConsulToken  string `help:"Consul ACL token." name:"consul-token"`
+	ConsulCAFile string `help:"CA file for TLS to Consul." name:"consul-ca-file" type:"path"`
+	ConsulScheme string `help:"http or https." name:"consul-scheme" default:"http"`
+	// ConsulStartTimeout bounds the check of Consul at start (Guard.Check). 0: 15 s.
+	ConsulStartTimeout time.Duration `help:"At start, how long to wait for Consul to answer before exiting with the cause (an ACL refusal or a wrong scheme exits at once)." name:"consul-start-timeout" default:"15s"`
+	ConsulDownMode     string        `help:"When Consul is unreachable: refuse (no new sessions; default) or trust-database (admit tokens not lower than the stored one)." name:"consul-down" default:"refuse" enum:"refuse,trust-database"`
 	// ConsulTokenMode says which number of a lock key is the token: lockindex (the
 	// LockIndex, the default) or create-lock (CreateIndex×2^24+LockIndex, which stays
 	// monotonic when the key is deleted and re-created; see lease.EncodeToken).

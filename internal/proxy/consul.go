@@ -171,6 +171,30 @@ func (g *Guard) loadRegressions(ctx context.Context) error {
 	return nil
 }
 
+// Check reads every watched key once, with consistent reads, so that a misconfigured Consul
+// fails the proxy's start with the cause instead of refusing every session later: an ACL
+// refusal or a wrong scheme (lease.Permanent) fails at once; other errors (a dead port, no
+// leader) are retried until ctx ends, then returned.
+func (g *Guard) Check(ctx context.Context) error {
+	for key := range g.byKey {
+		for {
+			_, err := g.watcher.Read(ctx, key)
+			if err == nil {
+				break
+			}
+			if lease.Permanent(err) {
+				return fmt.Errorf("consul: %w (check --consul-token and its ACL policy: key read on %q, and --consul-addr/--consul-scheme)", err, key)
+			}
+			select {
+			case <-ctx.Done():
+				return fmt.Errorf("consul did not answer (check --consul-addr): %w", err)
+			case <-time.After(500 * time.Millisecond):
+			}
+		}
+	}
+	return nil
+}
+
 // Validates reports whether the Guard checks resource's tokens against Consul.
 func (g *Guard) Validates(resource string) bool {
 	_, ok := g.keys[resource]
