@@ -32,6 +32,31 @@ const (
 //
 // Consul's word is needed to admit a token, never to keep the guarantee: the
 // database's bind and raise order commits whatever the Guard knows.
+//
+// How two holders could share a token, or a stale holder be admitted, and what stops each:
+//
+//   - A token below the stored one: fence.bind refuses it (P3), whatever the Guard says.
+//   - A token above the current one (forged, or from a lease Consul never granted): Admit
+//     refuses it (ZF002) after a consistent read, before anything is raised.
+//   - The current token, presented by a holder that lost the lock since: the consistent read
+//     in Admit shows the lock free (ZF006) or a newer token (ZF001); with fence.session, also
+//     another holder (ZF009). A read older than the hand-over cannot admit it later than the
+//     new holder's raise: the raise ends every backend bound to the lower token (P2).
+//   - Consul issuing one number twice (its sequence goes back: a plain PUT on the held key, a
+//     snapshot restore, a Consul that lost its data; in lockindex mode also a re-created key)
+//     and climbing back to a token already admitted: the old holder (without fence.session)
+//     and the new one would both pass a check against Consul alone, and the database admits
+//     a token equal to the stored one. Three things stop it. The watch sees the sequence go
+//     below the highest token it saw (a sticky regression, ZF007). The regression is recorded
+//     in the database (fence.consul_regress), which every proxy and a restarted one read
+//     (loadRegressions, and fence.consul_admit's answer). And the database records the holder
+//     session of each admitted token (fence.consul_admit), so the same number with another
+//     holder is a regression even when no proxy watched the sequence go back (C2).
+//   - A regression misread from stale state (raises of quick hand-overs crossing): judge
+//     decides with a consistent read made after the database answered, so the current
+//     leader is never refused for a token the database stored from a later hand-over.
+//
+// Without a control database only the first three and the watch of each process remain.
 type Guard struct {
 	watcher  *lease.Watcher
 	reg      *fence.Registry
@@ -201,8 +226,9 @@ func (g *Guard) Validates(resource string) bool {
 	return ok
 }
 
-// Admit implements Admitter: the token must be the current LockIndex of a
-// held lock (and the holder session, when given).
+// Admit implements Admitter: the token must be the current token (of the mode)
+// of a held lock (and the holder session, when given), and the database's record
+// of Consul tokens must agree (admitRecorded).
 func (g *Guard) Admit(ctx context.Context, c fence.Credentials) error {
 	key, ok := g.keys[c.Resource]
 	if !ok {
