@@ -151,6 +151,7 @@ func TestLockPostgres(t *testing.T) {
 // once (Linux's parent-death signal), instead of leaving it writing with its token until the
 // next holder fences it.
 func TestLockSupervisorKilled(t *testing.T) {
+	t.Parallel()
 	bin := buildBinary(t)
 	pg := testenv.StartPostgres(t)
 	admin := pg.AdminURL()
@@ -209,6 +210,7 @@ func running(pid int) bool {
 // start with the cause (instead of logging a warning and refusing every session), and
 // `fenceproxy lock` stops campaigning on a refusal that retrying cannot change.
 func TestConsulMisconfigured(t *testing.T) {
+	t.Parallel()
 	bin := buildBinary(t)
 	c := testenv.StartConsul(t)
 	keyFile := filepath.Join(t.TempDir(), "proxy.key")

@@ -44,6 +44,7 @@ func createLockProxy(t *testing.T, key string) *consulSetup {
 // token the README's way and writing through the proxy: all three commit, with growing
 // tokens, and no operator in between.
 func TestConsulLockHandOvers(t *testing.T) {
+	t.Parallel()
 	s := createLockProxy(t, "locks/billing/.lock")
 	bin := testenv.ConsulBinary(t)
 	dir := t.TempDir()
@@ -92,6 +93,7 @@ func TestConsulLockHandOvers(t *testing.T) {
 // and Destroy after every release (the key is re-created each time), computing its token
 // as the README shows: every holder's writes commit, the previous holder's are refused.
 func TestConsulAPILockDestroyHandOvers(t *testing.T) {
+	t.Parallel()
 	const key = "locks/billing"
 	s := createLockProxy(t, key)
 	var prev string // the previous holder's URL

@@ -93,6 +93,7 @@ func reacquire(t *testing.T, c *api.Client, key, session string) int64 {
 // (both ZF007): the fail-closed state outlives the process, and the old holder and the new one
 // never share the token. fence.reset is the way out.
 func TestConsulRegressionSurvivesRestart(t *testing.T) {
+	t.Parallel()
 	s := startConsulProxy(t)
 	p1 := startGuardedProxy(t, s)
 	a, _ := consulLock(t, s.client, "locks/billing")
@@ -167,6 +168,7 @@ func TestConsulRegressionSurvivesRestart(t *testing.T) {
 // same number held by another session, that is a number issued twice: ZF007 for everyone,
 // and recorded.
 func TestConsulSameTokenTwoHolders(t *testing.T) {
+	t.Parallel()
 	s := startConsulProxy(t)
 	a, _ := consulLock(t, s.client, "locks/billing")
 	tok := reacquire(t, s.client, "locks/billing", a)
@@ -205,6 +207,7 @@ func TestConsulSameTokenTwoHolders(t *testing.T) {
 // held for a moment): neither proxy ever takes it for a regression, and both admit the last
 // leader.
 func TestConsulQuickHandOvers(t *testing.T) {
+	t.Parallel()
 	s := startConsulProxy(t)
 	p1 := startGuardedProxy(t, s)
 	p2 := startGuardedProxy(t, s)
