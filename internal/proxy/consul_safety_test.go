@@ -278,3 +278,38 @@ func TestConsulQuickHandOvers(t *testing.T) {
 		t.Errorf("%d regressions recorded", n)
 	}
 }
+
+// TestConsulRegressionWhileDownIsZF007: Consul's sequence went back while no proxy ran; the
+// new leader's token is below the one the database admitted. A proxy started afterwards has
+// no history of the key, yet tells the leader ZF007 (fencing unavailable: a regression), not
+// ZF001 ("no longer the leader", which it is not), and records it.
+func TestConsulRegressionWhileDownIsZF007(t *testing.T) {
+	t.Parallel()
+	s := startConsulProxy(t)
+	a, _ := consulLock(t, s.client, "locks/billing")
+	tok := reacquire(t, s.client, "locks/billing", a)
+	mustExec(t, connect(t, s.url(tok)), "INSERT INTO items (tag) VALUES ('a')")
+	s.cancel()
+	s.proxy.Stop(t)
+
+	if _, err := s.client.KV().Put(&api.KVPair{Key: "locks/billing", Value: []byte("oops")}, nil); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.client.Session().Destroy(a, nil); err != nil {
+		t.Fatal(err)
+	}
+	b, low := consulLock(t, s.client, "locks/billing")
+	if low >= tok {
+		t.Fatalf("LockIndex %d, want below %d", low, tok)
+	}
+	p := startGuardedProxy(t, s)
+	err := connectErr(p.url(low, "fence.session="+b))
+	wantCode(t, err, fence.CodeUnavailable)
+	t.Logf("leader: %v", err)
+	eventually(t, "regression recorded", func() error {
+		if n := count(t, s.admin, "SELECT count(*)::int FROM fence.consul_tokens WHERE regression IS NOT NULL"); n != 1 {
+			return fmt.Errorf("%d regressions recorded", n)
+		}
+		return nil
+	})
+}
