@@ -162,6 +162,26 @@ func TestConsulRegressionSurvivesRestart(t *testing.T) {
 	})
 }
 
+// regressWhileDown: a holder's token (LockIndex 2) is admitted and written with, every proxy
+// stops, then a plain PUT resets LockIndex to 0 and the holder's session ends: the lock is
+// free, and Consul's next tokens repeat numbers already issued. It returns the admitted token.
+func regressWhileDown(t *testing.T) (*consulSetup, int64) {
+	t.Helper()
+	s := startConsulProxy(t)
+	a, _ := consulLock(t, s.client, "locks/billing")
+	tok := reacquire(t, s.client, "locks/billing", a)
+	mustExec(t, connect(t, s.url(tok)), "INSERT INTO items (tag) VALUES ('a')")
+	s.cancel()
+	s.proxy.Stop(t)
+	if _, err := s.client.KV().Put(&api.KVPair{Key: "locks/billing", Value: []byte("oops")}, nil); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.client.Session().Destroy(a, nil); err != nil {
+		t.Fatal(err)
+	}
+	return s, tok
+}
+
 // TestConsulSameTokenTwoHolders: the regression happened while no proxy ran (Consul lost its
 // data, or a plain PUT during an outage of every proxy), so no proxy's watch can see it. The
 // database recorded which Consul session held the admitted token; when Consul later shows the
@@ -169,20 +189,7 @@ func TestConsulRegressionSurvivesRestart(t *testing.T) {
 // and recorded.
 func TestConsulSameTokenTwoHolders(t *testing.T) {
 	t.Parallel()
-	s := startConsulProxy(t)
-	a, _ := consulLock(t, s.client, "locks/billing")
-	tok := reacquire(t, s.client, "locks/billing", a)
-	old := connect(t, s.url(tok))
-	mustExec(t, old, "INSERT INTO items (tag) VALUES ('a')")
-	s.cancel()
-	s.proxy.Stop(t)
-
-	if _, err := s.client.KV().Put(&api.KVPair{Key: "locks/billing", Value: []byte("oops")}, nil); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := s.client.Session().Destroy(a, nil); err != nil {
-		t.Fatal(err)
-	}
+	s, tok := regressWhileDown(t)
 	b, _ := consulLock(t, s.client, "locks/billing")
 	reacquire(t, s.client, "locks/billing", b) // LockIndex 2 again, held by b
 
@@ -285,19 +292,7 @@ func TestConsulQuickHandOvers(t *testing.T) {
 // ZF001 ("no longer the leader", which it is not), and records it.
 func TestConsulRegressionWhileDownIsZF007(t *testing.T) {
 	t.Parallel()
-	s := startConsulProxy(t)
-	a, _ := consulLock(t, s.client, "locks/billing")
-	tok := reacquire(t, s.client, "locks/billing", a)
-	mustExec(t, connect(t, s.url(tok)), "INSERT INTO items (tag) VALUES ('a')")
-	s.cancel()
-	s.proxy.Stop(t)
-
-	if _, err := s.client.KV().Put(&api.KVPair{Key: "locks/billing", Value: []byte("oops")}, nil); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := s.client.Session().Destroy(a, nil); err != nil {
-		t.Fatal(err)
-	}
+	s, tok := regressWhileDown(t)
 	b, low := consulLock(t, s.client, "locks/billing")
 	if low >= tok {
 		t.Fatalf("LockIndex %d, want below %d", low, tok)
