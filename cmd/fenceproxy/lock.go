@@ -22,6 +22,7 @@ type LockCmd struct {
 	ConsulToken  string `help:"Consul ACL token (needs session write and key write on the lock key); default CONSUL_HTTP_TOKEN." name:"consul-token" env:"FENCEPROXY_CONSUL_TOKEN"`
 	ConsulCAFile string `help:"CA file to verify Consul's TLS certificate (implies https)." name:"consul-ca-file" type:"path" env:"FENCEPROXY_CONSUL_CA_FILE"`
 	ConsulScheme string `help:"http or https; default from --consul-addr." name:"consul-scheme" enum:",http,https" default:"" env:"FENCEPROXY_CONSUL_SCHEME"`
+	TokenMode    string `help:"The token the command gets (FENCE_TOKEN), as the proxy's --consul-token-mode: lockindex (the key's LockIndex) or create-lock (CreateIndex*2^24+LockIndex)." name:"consul-token-mode" enum:"lockindex,create-lock" default:"lockindex" env:"FENCEPROXY_CONSUL_TOKEN_MODE"`
 
 	Database string `help:"The protected database, reached directly (not through the proxy), whose fence.leases holds the lease (--store postgres; schema version 5, fenceproxy migrate)." name:"database" env:"FENCEPROXY_DATABASE"`
 	Holder   string `help:"Holder name in the lease row (--store postgres) or the leader key's value (--store etcd); default host:pid:random." env:"FENCEPROXY_HOLDER"`
@@ -101,7 +102,7 @@ func (c *LockCmd) store(log *zap.Logger) (lease.Store, func(), error) {
 	if err != nil {
 		return nil, nil, err
 	}
-	store := &lease.ConsulStore{Client: client, Key: c.Key, TTL: c.TTL, LockDelay: c.LockDelay, Logger: log}
+	store := &lease.ConsulStore{Client: client, Key: c.Key, TTL: c.TTL, LockDelay: c.LockDelay, TokenMode: lease.TokenMode(c.TokenMode), Logger: log}
 	if c.ClockOffsetFile != "" {
 		store.Clock = lease.OffsetFileClock(c.ClockOffsetFile)
 	}

@@ -15,6 +15,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/fenceproxy/fenceproxy/internal/fence"
 	"github.com/fenceproxy/fenceproxy/internal/proxy"
 	"github.com/fenceproxy/fenceproxy/internal/testenv"
 )
@@ -156,4 +157,114 @@ func TestLockPostgres(t *testing.T) {
 			t.Errorf("lock --store postgres without --database: %v\n%s", err, out)
 		}
 	})
+}
+
+// TestLockSupervisorKilled: SIGKILL of the `fenceproxy lock` supervisor stops its child at
+// once (Linux's parent-death signal), instead of leaving it writing with its token until the
+// next holder fences it.
+func TestLockSupervisorKilled(t *testing.T) {
+	t.Parallel()
+	bin := buildBinary(t)
+	pg := testenv.StartPostgres(t)
+	admin := pg.AdminURL()
+	testenv.Migrate(t, admin)
+	dir := t.TempDir()
+	pidFile := filepath.Join(dir, "pid")
+	cmd := exec.Command(bin, "lock", "--store", "postgres", "--database", admin, "--resource", "billing",
+		"--ttl", "5s", "--", "/bin/sh", "-c", `echo $$ > "$PIDFILE.tmp" && mv "$PIDFILE.tmp" "$PIDFILE" && exec sleep 300`)
+	cmd.Env = append(os.Environ(), "PIDFILE="+pidFile)
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+	var child int
+	deadline := time.Now().Add(60 * time.Second)
+	for child == 0 {
+		if b, err := os.ReadFile(pidFile); err == nil {
+			child, _ = strconv.Atoi(strings.TrimSpace(string(b)))
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the child did not start within 60 s")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	t.Cleanup(func() { _ = syscall.Kill(child, syscall.SIGKILL) })
+	if !running(child) {
+		t.Fatalf("child %d not running", child)
+	}
+	if err := cmd.Process.Signal(syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	_ = cmd.Wait()
+	deadline = time.Now().Add(30 * time.Second)
+	for running(child) {
+		if time.Now().After(deadline) {
+			t.Fatalf("child %d still running 30 s after its supervisor was killed", child)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// running reports whether process pid exists and is not a zombie (a reaper that does not reap
+// leaves the dead child listed).
+func running(pid int) bool {
+	b, err := os.ReadFile(filepath.Join("/proc", strconv.Itoa(pid), "stat"))
+	if err != nil {
+		return false
+	}
+	// pid (comm) state ...: the state follows the last ')'.
+	s := string(b)
+	i := strings.LastIndexByte(s, ')')
+	return i >= 0 && i+2 < len(s) && s[i+2] != 'Z' && s[i+2] != 'X'
+}
+
+// TestConsulMisconfigured: a wrong scheme or a dead Consul port makes `fenceproxy serve` exit at
+// start with the cause (instead of logging a warning and refusing every session), and
+// `fenceproxy lock` stops campaigning on a refusal that retrying cannot change.
+func TestConsulMisconfigured(t *testing.T) {
+	t.Parallel()
+	bin := buildBinary(t)
+	c := testenv.StartConsul(t)
+	keyFile := filepath.Join(t.TempDir(), "proxy.key")
+	if err := fence.WriteKeyFile(keyFile, testenv.Key); err != nil {
+		t.Fatal(err)
+	}
+	dead := "127.0.0.1:" + strconv.Itoa(testenv.FreePort(t))
+	run := func(args ...string) (string, error) {
+		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+		defer cancel()
+		out, err := exec.CommandContext(ctx, bin, args...).CombinedOutput()
+		if ctx.Err() != nil {
+			t.Fatalf("%v still running after 60 s:\n%s", args, out)
+		}
+		return string(out), err
+	}
+	serve := func(consul string, more ...string) []string {
+		return append([]string{"serve", "--upstream", "postgres://127.0.0.1:1", "--listen", "127.0.0.1:0",
+			"--resource", "billing=locks/billing", "--key-file", keyFile, "--consul-addr", consul}, more...)
+	}
+	for _, tc := range []struct {
+		name string
+		args []string
+		want string
+	}{
+		{"serve, https to an http port", serve("https://" + c.Addr), "HTTP response to HTTPS client"},
+		{"serve, dead port", serve(dead, "--consul-start-timeout", "2s"), "consul did not answer"},
+		{"lock, https to an http port", []string{"lock", "--resource", "billing", "--consul-addr", "https://" + c.Addr, "--", "true"},
+			"campaign refused"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			out, err := run(tc.args...)
+			var ee *exec.ExitError
+			if !errors.As(err, &ee) || !strings.Contains(out, tc.want) {
+				t.Fatalf("want a failed exit saying %q; got %v:\n%s", tc.want, err, out)
+			}
+			t.Logf("exit %d: %s", ee.ExitCode(), lastLine(out))
+		})
+	}
+}
+
+func lastLine(s string) string {
+	lines := strings.Split(strings.TrimSpace(s), "\n")
+	return lines[len(lines)-1]
 }

@@ -22,6 +22,16 @@ type ServeCmd struct {
 	proxy.Config `embed:""`
 }
 
+// checkConsul fails the start on a misconfigured or unreachable Consul, with the cause.
+func checkConsul(ctx context.Context, guard *proxy.Guard, timeout time.Duration) error {
+	if timeout <= 0 {
+		timeout = 15 * time.Second
+	}
+	cctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	return guard.Check(cctx)
+}
+
 // Run serves until SIGTERM/SIGINT, then drains sessions and exits 0.
 func (s *ServeCmd) Run(ctx context.Context, log *zap.Logger) error {
 	reg := prometheus.NewRegistry()
@@ -44,6 +54,11 @@ func (s *ServeCmd) Run(ctx context.Context, log *zap.Logger) error {
 		opts.Admitter = guard
 	case etcdGuard != nil:
 		opts.Admitter = etcdGuard
+	}
+	if guard != nil {
+		if err := checkConsul(ctx, guard, s.ConsulStartTimeout); err != nil {
+			return err
+		}
 	}
 	srv, err := proxy.New(s.Config, opts)
 	if err != nil {

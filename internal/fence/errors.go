@@ -122,12 +122,20 @@ func Unavailable(resource, why string) *Error {
 	}
 }
 
+// errRegression is the cause of every Regression error (IsRegression).
+var errRegression = errors.New("token regression")
+
+// IsRegression reports whether err is a Regression refusal (a ZF007 that says the lock's
+// token went backwards, not that its state is unknown).
+func IsRegression(err error) bool { return errors.Is(err, errRegression) }
+
 // Regression is the fail-closed refusal after Consul's LockIndex for the
 // resource went backwards (why says what was seen).
 func Regression(resource, why string) *Error {
 	fe := Unavailable(resource, "LockIndex regression: "+why)
+	fe.Err = errRegression
 	fe.Hint = "An operator must reset the resource: `fenceproxy fence reset --resource " + resource +
-		" --token <current LockIndex>` on the database, then restart the proxies (README: LockIndex regressions)."
+		" --token <the lock's current token>` on the database; proxies whose --control-database is that database follow it at once, restart the others (README: LockIndex regressions)."
 	return fe
 }
 

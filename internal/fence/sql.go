@@ -149,20 +149,29 @@ func (k Key) Settled(ctx context.Context, conn *pgx.Conn, resource string, token
 // proxy's control connection, in its own READ COMMITTED, READ WRITE transaction whatever the
 // connection's defaults (the functions refuse other isolation levels, and lock the row).
 func (k Key) control(ctx context.Context, conn *pgx.Conn, kind, query, resource string, token int64) (int64, error) {
+	var stored int64
+	err := k.inTx(ctx, conn, kind, resource, token, func(tx pgx.Tx, c Call) error {
+		return tx.QueryRow(ctx, query, c.Resource, c.Token, c.Proof).Scan(&stored)
+	})
+	return stored, err
+}
+
+// inTx runs fn with the proof of a call of kind, in a READ COMMITTED, READ WRITE transaction
+// of its own on the proxy's control connection, and commits it.
+func (k Key) inTx(ctx context.Context, conn *pgx.Conn, kind, resource string, token int64, fn func(pgx.Tx, Call) error) error {
 	c, err := k.call(kind, DatabaseName(conn.Config()), resource, token, conn.PgConn().PID())
 	if err != nil {
-		return 0, err
+		return err
 	}
 	tx, err := conn.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted, AccessMode: pgx.ReadWrite})
 	if err != nil {
-		return 0, err
+		return err
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // after Commit, a no-op
-	var stored int64
-	if err := tx.QueryRow(ctx, query, c.Resource, c.Token, c.Proof).Scan(&stored); err != nil {
-		return 0, err
+	if err := fn(tx, c); err != nil {
+		return err
 	}
-	return stored, tx.Commit(ctx)
+	return tx.Commit(ctx)
 }
 
 // DatabaseName is the database a connection with config c is in: its dbname, or PostgreSQL's

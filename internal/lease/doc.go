@@ -3,8 +3,9 @@
 // itself, which Consul token is current.
 //
 // A Consul lock is a KV key acquired with a session. Its LockIndex goes up by one on every
-// successful acquisition and is the fencing token; (key, LockIndex, holder session) is
-// what Consul calls a sequencer. The PostgreSQL lease is a row per resource in the protected
+// successful acquisition and is the fencing token (or, in mode TokenCreateLock, part of it:
+// see "Token modes" below); (key, LockIndex, holder session) is what Consul calls a
+// sequencer. The PostgreSQL lease is a row per resource in the protected
 // database whose generation every acquisition increments and admits (migrations/00005); the
 // database's own bind checks its tokens, so the proxy needs no other service for it. The
 // package offers:
@@ -69,10 +70,39 @@
 // anything. A Lock's Done closes as soon as its key stops showing the acquisition
 // (released, taken, deleted or overwritten) or its session ends.
 //
+// # Token modes
+//
+// LockIndex restarts at 1 when a key is deleted and created again, and Consul's own lock
+// tools do exactly that: `consul lock` deletes its key after every release, api.Lock's
+// Destroy deletes it, and a session with behavior "delete" deletes its keys when it ends.
+// With the LockIndex as the token (TokenLockIndex, the default, kept for the deployments
+// whose database and clients already use it) every such hand-over is a regression. The
+// mode TokenCreateLock makes the token EncodeToken(CreateIndex, LockIndex) =
+// CreateIndex<<24 | LockIndex, chosen over the alternatives for these reasons:
+//
+//   - It is monotonic across re-creation by Consul's own rules: CreateIndex is the Raft
+//     index of the creating write, above every index of the key's previous incarnations
+//     (EncodeToken has the argument).
+//   - It is a function of the key's current state, which anyone can read at any time: the
+//     child of `consul lock`, an application after api.Lock, the proxy validating it. The
+//     ModifyIndex of the acquiring write would also grow, but any later write to the key
+//     (the holder updating its value, a re-acquire by the same session) moves ModifyIndex
+//     without a new acquisition, and a reader cannot tell which write acquired.
+//   - It still fails closed where the sequence really goes back: a plain write on a held
+//     key (LockIndex 0 under the same CreateIndex) and a snapshot restore (CreateIndex
+//     back) give a token below the highest seen.
+//   - Moving a resource from LockIndex to create-lock tokens is a raise, never a reset:
+//     every create-lock token (at least 2^24) is above every LockIndex that fits.
+//
+// The price is a bound: 24 bits of LockIndex per incarnation of the key, 39 bits of
+// CreateIndex. Past either, State.Check answers ErrUnavailable (ErrTokenRange), never a
+// wrong order.
+//
 // # Regressions, and the operator's way out
 //
 // LockIndex is not always monotonic. Deleting the key and acquiring it again restarts at
-// 1 (so does a session with behavior "delete", which is why sessions here use "release");
+// 1 (so does a session with behavior "delete", which is why sessions here use "release";
+// in mode TokenCreateLock neither is a regression);
 // a plain write to the key (a PUT without ?acquire) resets LockIndex to 0 even while it is
 // held; a snapshot restore moves it back to the snapshot's value. The database keeps the
 // highest token it admitted, so after a regression every new leader would be refused as

@@ -1,9 +1,14 @@
 package lease
 
 import (
+	"crypto/tls"
 	"errors"
 	"fmt"
+	"net/http"
+	"strings"
 	"time"
+
+	"github.com/hashicorp/consul/api"
 )
 
 // Sentinel errors. Callers ask errors.Is questions; the SQLSTATE each maps to is the one
@@ -44,6 +49,22 @@ var (
 	ErrRefused = errors.New("campaign refused")
 )
 
+// Permanent reports whether a Consul error is one that retrying cannot change: an ACL refusal
+// (HTTP 401 or 403: a token without the rights, or none where ACLs are on), or a scheme that
+// does not match the server's (HTTPS to an HTTP port, HTTP to an HTTPS port). A refused
+// connection, a timeout or a 5xx may pass and are not permanent.
+func Permanent(err error) bool {
+	var se api.StatusError
+	if errors.As(err, &se) {
+		return se.Code == http.StatusUnauthorized || se.Code == http.StatusForbidden ||
+			se.Code == http.StatusBadRequest && strings.Contains(se.Body, "HTTP request to an HTTPS server")
+	}
+	var rhe tls.RecordHeaderError
+	return errors.Is(err, http.ErrSchemeMismatch) || errors.As(err, &rhe) ||
+		// The api package flattens the transport's error into text in places.
+		err != nil && strings.Contains(err.Error(), http.ErrSchemeMismatch.Error())
+}
+
 // TokenError is the answer of a token check that failed: which lock, which token, what
 // Consul said. It matches (errors.Is) exactly one of ErrStale, ErrNotIssued, ErrNotHeld,
 // ErrUnavailable, ErrSessionMismatch, and the Consul error behind an ErrUnavailable.
@@ -58,22 +79,25 @@ type TokenError struct {
 
 func (e *TokenError) Error() string {
 	s := e.State
+	cur, _ := s.Current()
+	what := s.Mode.Describe()
 	switch e.Err {
 	case ErrStale:
-		return fmt.Sprintf("lock %q: %v: token %d is lower than Consul's LockIndex %d: a newer leader "+
-			"was elected; stop writing and acquire the lock again", e.Key, e.Err, e.Token, s.LockIndex)
+		return fmt.Sprintf("lock %q: %v: token %d is lower than the lock's current %s %d: a newer leader "+
+			"was elected; stop writing and acquire the lock again", e.Key, e.Err, e.Token, what, cur)
 	case ErrNotIssued:
-		return fmt.Sprintf("lock %q: %v: token %d is higher than Consul's LockIndex %d: use the "+
-			"LockIndex read from Consul after acquiring the lock", e.Key, e.Err, e.Token, s.LockIndex)
+		return fmt.Sprintf("lock %q: %v: token %d is higher than the lock's current %s %d: use the "+
+			"%s read from Consul after acquiring the lock", e.Key, e.Err, e.Token, what, cur, what)
 	case ErrNotHeld:
 		if !s.Exists {
-			return fmt.Sprintf("lock %q: %v: the key does not exist in Consul: acquire the lock first", e.Key, e.Err)
+			return fmt.Sprintf("lock %q: %v: the key does not exist in Consul (deleted, or never created): "+
+				"nobody holds the lock; acquire it first", e.Key, e.Err)
 		}
-		return fmt.Sprintf("lock %q: %v: token %d is the current LockIndex but no session holds the lock: "+
-			"the lease expired or was released; acquire the lock again", e.Key, e.Err, e.Token)
+		return fmt.Sprintf("lock %q: %v: token %d is the current %s but no session holds the lock: "+
+			"the lease expired or was released; acquire the lock again", e.Key, e.Err, e.Token, what)
 	case ErrSessionMismatch:
-		return fmt.Sprintf("lock %q: %v: session %s is not the holder of LockIndex %d (holder %s)",
-			e.Key, e.Err, e.Session, s.LockIndex, s.Session)
+		return fmt.Sprintf("lock %q: %v: session %s is not the holder of %s %d (holder %s)",
+			e.Key, e.Err, e.Session, what, cur, s.Session)
 	case ErrUnavailable:
 		if e.Cause != nil {
 			return fmt.Sprintf("lock %q: %v: %v: new tokens are refused until Consul answers", e.Key, e.Err, e.Cause)
@@ -110,9 +134,11 @@ type RegressionError struct {
 }
 
 func (e *RegressionError) Error() string {
-	return fmt.Sprintf("lock %q: %v: %s (highest LockIndex seen %d, now %d): tokens of this lock are not "+
-		"trusted until an operator resets the resource's fence to the new LockIndex",
-		e.Key, ErrRegression, e.Reason, e.Highest, e.Seen.LockIndex)
+	cur, _ := e.Seen.Current()
+	what := e.Seen.Mode.Describe()
+	return fmt.Sprintf("lock %q: %v: %s (highest %s seen %d, now %d): tokens of this lock are not "+
+		"trusted until an operator resets the resource's fence to the new %s",
+		e.Key, ErrRegression, e.Reason, what, e.Highest, cur, what)
 }
 
 // Is reports a match with ErrRegression and ErrUnavailable: a regressed lock's state is

@@ -242,6 +242,21 @@ func readKey(t *testing.T, client *api.Client, key string) *api.KVPair {
 	return p
 }
 
+// saveSnapshot returns a snapshot of Consul's state, for Snapshot().Restore.
+func saveSnapshot(t *testing.T, client *api.Client) []byte {
+	t.Helper()
+	snap, _, err := client.Snapshot().Save(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer snap.Close()
+	data, err := io.ReadAll(snap)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return data
+}
+
 func itoa(i int) string { return strconv.Itoa(i) }
 
 // waitState polls the watcher's state of key until pred holds.

@@ -22,7 +22,8 @@ const lockWaitTime = 10 * time.Second
 type Lock struct {
 	key         string
 	session     *Session
-	token       int64
+	token       int64 // the LockIndex, as a token
+	lockIndex   uint64
 	createIndex uint64
 
 	done    chan struct{}
@@ -67,6 +68,9 @@ func Acquire(ctx context.Context, s *Session, key string) (*Lock, error) {
 		l, held, err := tryLock(ctx, s, key)
 		if err == nil && l != nil {
 			return l, nil
+		}
+		if Permanent(err) {
+			return nil, fmt.Errorf("lease: acquire %q: %w: %w", key, ErrRefused, err)
 		}
 		if err != nil {
 			if acquireAborted(ctx, s) == nil {
@@ -142,7 +146,7 @@ func tryLock(ctx context.Context, s *Session, key string) (*Lock, string, error)
 	}
 	mctx, stop := context.WithCancel(context.WithoutCancel(ctx))
 	l := &Lock{
-		key: key, session: s, token: clampToken(pair.LockIndex), createIndex: pair.CreateIndex,
+		key: key, session: s, token: clampToken(pair.LockIndex), lockIndex: pair.LockIndex, createIndex: pair.CreateIndex,
 		done: make(chan struct{}), stop: stop, stopped: make(chan struct{}),
 	}
 	go l.monitor(mctx, pair.ModifyIndex)
@@ -190,8 +194,14 @@ func waitFree(ctx context.Context, client *api.Client, key string) error {
 // Key is the lock's Consul key.
 func (l *Lock) Key() string { return l.key }
 
-// Token is the fencing token: the LockIndex of this acquisition.
+// Token is the fencing token of mode TokenLockIndex: the LockIndex of this acquisition.
 func (l *Lock) Token() int64 { return l.token }
+
+// TokenOf is the fencing token of this acquisition in mode m (EncodeToken for
+// TokenCreateLock); the error wraps ErrTokenRange when the indexes do not fit.
+func (l *Lock) TokenOf(m TokenMode) (int64, error) {
+	return m.tokenOf(true, l.createIndex, l.lockIndex)
+}
 
 // Session is the session that holds the lock.
 func (l *Lock) Session() *Session { return l.session }
@@ -269,8 +279,8 @@ func (l *Lock) monitor(ctx context.Context, index uint64) {
 				lost("the key is held by session %s", pair.Session)
 			}
 			return
-		case uint64(l.token) != pair.LockIndex:
-			lost("LockIndex is %d, not our %d", pair.LockIndex, l.token)
+		case l.lockIndex != pair.LockIndex:
+			lost("LockIndex is %d, not our %d", pair.LockIndex, l.lockIndex)
 			return
 		}
 		index = nextIndex(index, meta.LastIndex, time.Since(started) < lockWaitTime/2)
@@ -301,8 +311,11 @@ type ConsulStore struct {
 	Key       string
 	TTL       time.Duration // session TTL; default DefaultTTL
 	LockDelay time.Duration // session lock-delay; default DefaultLockDelay (0)
-	Logger    *zap.Logger   // nil: no logs
-	Clock     Clock         // the session keep-alive's clock; nil: time.Now
+	// TokenMode is the token its leases hand out (Lease.Token); it must be the proxy's
+	// --consul-token-mode. Empty: TokenLockIndex.
+	TokenMode TokenMode
+	Logger    *zap.Logger // nil: no logs
+	Clock     Clock       // the session keep-alive's clock; nil: time.Now
 }
 
 // Name is StoreConsul.
@@ -314,6 +327,10 @@ func (c *ConsulStore) Name() string { return StoreConsul }
 func (c *ConsulStore) Campaign(ctx context.Context, resource string) (Lease, error) {
 	if c.Client == nil {
 		return nil, errors.New("lease: ConsulStore: nil Consul client")
+	}
+	mode, err := ParseTokenMode(string(c.TokenMode))
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrRefused, err)
 	}
 	key := c.Key
 	if key == "" {
@@ -329,6 +346,10 @@ func (c *ConsulStore) Campaign(ctx context.Context, resource string) (Lease, err
 	}
 	sess, err := NewSession(context.WithoutCancel(ctx), c.Client,
 		WithTTL(ttl), WithLockDelay(c.LockDelay), WithLogger(log), WithName("fenceproxy lock "+resource), WithClock(c.Clock))
+	if Permanent(err) {
+		// An ACL refusal or a wrong scheme: campaigning again cannot change it.
+		return nil, fmt.Errorf("%w: %w", ErrRefused, err)
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -338,14 +359,25 @@ func (c *ConsulStore) Campaign(ctx context.Context, resource string) (Lease, err
 		closeSession(sess, log)
 		return nil, err
 	}
-	return &consulLease{Lock: lock, log: log}, nil
+	l := &consulLease{Lock: lock, log: log}
+	if l.token, err = lock.TokenOf(mode); err != nil {
+		// The key's indexes do not fit the encoding: no token to give. Campaigning again
+		// would win the same key; the operator has to act (EncodeToken says how).
+		rerr := l.Release(context.WithoutCancel(ctx))
+		return nil, fmt.Errorf("%w: lock %q: %w", ErrRefused, key, errors.Join(err, rerr))
+	}
+	return l, nil
 }
 
-// consulLease is a Lock as a Lease: its Release also destroys the session.
+// consulLease is a Lock as a Lease, with the token of the store's mode: its Release also
+// destroys the session.
 type consulLease struct {
 	*Lock
-	log *zap.Logger
+	token int64
+	log   *zap.Logger
 }
+
+func (l *consulLease) Token() int64 { return l.token }
 
 func (l *consulLease) Store() string  { return StoreConsul }
 func (l *consulLease) Holder() string { return l.session.id }

@@ -76,6 +76,9 @@ type RunConfig struct {
 //     Grace; then RunLocked campaigns again (OnLostRetry) or returns an error wrapping
 //     ErrLockLost (OnLostExit). Fencing, not this signal, is what keeps the old child's
 //     late writes out; the signal only stops it from trying.
+//   - The supervisor dies without stopping the child (SIGKILL, a crash): on Linux the
+//     kernel kills the child (its parent-death signal, childAttr), which can then no longer
+//     write with a token whose lease nobody renews.
 //   - ctx ends (the supervisor itself was told to stop): the child's group gets SIGTERM
 //     and SIGKILL after Grace, and once it has exited the lock is released and the
 //     child's status returned as above.
@@ -181,8 +184,9 @@ func supervise(ctx context.Context, cfg *RunConfig, lock Lease, log *zap.Logger)
 	cmd := exec.Command(cfg.Command[0], cfg.Command[1:]...)
 	cmd.Env = env
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = cfg.Stdin, cfg.Stdout, cfg.Stderr
-	// Own process group, so that stopping the child stops everything it started.
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	// Own process group, so that stopping the child stops everything it started; on Linux
+	// the child is killed if the supervisor dies (childAttr).
+	cmd.SysProcAttr = childAttr()
 	// When Stdout or Stderr is not a file, Wait also waits for the copy from the pipe,
 	// which a process the child left running may hold open: the child's exit must
 	// still be seen (and the leftovers stopped) within a second.

@@ -25,36 +25,51 @@ type State struct {
 	CreateIndex uint64 // changes when the key is deleted and created again
 	ModifyIndex uint64
 	Index       uint64 // X-Consul-Index of the read
+	// Mode says which number is the token (TokenLockIndex when empty).
+	Mode TokenMode
 
-	// Highest is the highest LockIndex the Watcher saw for the key (since it started or
-	// since Reset). Zero in states that do not come from a Watcher.
+	// Highest is the highest token (of Mode) the Watcher saw for the key (since it
+	// started or since Reset). Zero in states that do not come from a Watcher.
 	Highest uint64
-	// Regression is set, and stays set until Watcher.Reset, once the LockIndex went
+	// Regression is set, and stays set until Watcher.Reset, once the token went
 	// backwards. Known may be true at the same time: the state is known and unusable.
 	Regression *RegressionError
 }
 
-// Token returns the token of the current holder: the LockIndex of a held lock in a known,
+// Current returns the token (of s.Mode) of the key's current or last acquisition: its
+// LockIndex, or EncodeToken(CreateIndex, LockIndex); 0 when the key does not exist. The
+// error wraps ErrTokenRange when the indexes do not fit the encoding.
+func (s State) Current() (int64, error) {
+	return s.Mode.tokenOf(s.Exists, s.CreateIndex, s.LockIndex)
+}
+
+// Token returns the token of the current holder: Current of a held lock in a known,
 // regression-free state. Otherwise it returns the reason as an error (ErrUnavailable,
 // ErrRegression or ErrNotHeld).
 func (s State) Token() (int64, error) {
 	if err := s.usable(); err != nil {
 		return 0, err
 	}
-	if !s.Held || s.LockIndex == 0 {
-		return 0, &TokenError{Key: s.Key, Token: clampToken(s.LockIndex), State: s, Err: ErrNotHeld}
+	cur, err := s.Current()
+	if err != nil {
+		return 0, &TokenError{Key: s.Key, State: s, Err: ErrUnavailable, Cause: err}
 	}
-	return clampToken(s.LockIndex), nil
+	if !s.Held || s.LockIndex == 0 {
+		return 0, &TokenError{Key: s.Key, Token: cur, State: s, Err: ErrNotHeld}
+	}
+	return cur, nil
 }
 
 // Check decides whether token (and session, when not "") may be admitted under this
-// state: the token must equal the LockIndex of a held lock, and a given session must be
-// the holder. The answers, in this order:
+// state: the token must equal Current of a held lock, and a given session must be the
+// holder. The answers, in this order:
 //
-//   - unknown state: ErrUnavailable; regression: a *RegressionError;
-//   - token < LockIndex: ErrStale (a newer leader exists, held or not);
-//   - token > LockIndex: ErrNotIssued;
-//   - lock free, key missing, or LockIndex 0: ErrNotHeld;
+//   - unknown state, or indexes outside the encoding: ErrUnavailable; regression: a
+//     *RegressionError;
+//   - the key does not exist: ErrNotHeld (whatever the token: nobody holds anything);
+//   - token < Current: ErrStale (a newer leader exists, held or not);
+//   - token > Current: ErrNotIssued;
+//   - lock free or LockIndex 0: ErrNotHeld;
 //   - session given and not the holder: ErrSessionMismatch.
 func (s State) Check(token int64, session string) error {
 	if err := s.usable(); err != nil {
@@ -63,10 +78,19 @@ func (s State) Check(token int64, session string) error {
 	fail := func(sentinel error) error {
 		return &TokenError{Key: s.Key, Token: token, Session: session, State: s, Err: sentinel}
 	}
+	cur, err := s.Current()
+	if err != nil {
+		return &TokenError{Key: s.Key, Token: token, Session: session, State: s, Err: ErrUnavailable, Cause: err}
+	}
 	switch {
-	case token < 0 || uint64(token) < s.LockIndex:
+	case !s.Exists:
+		// Deleted (`consul lock` deletes the key after every release) or never created:
+		// the lock is free. Not ErrNotIssued: the token may well have been issued, by an
+		// incarnation of the key that is gone.
+		return fail(ErrNotHeld)
+	case token < cur:
 		return fail(ErrStale)
-	case uint64(token) > s.LockIndex:
+	case token > cur:
 		return fail(ErrNotIssued)
 	case !s.Held || s.LockIndex == 0:
 		// LockIndex 0 with a holder: a plain write reset the key; no token was issued.
@@ -98,7 +122,8 @@ func clampToken(i uint64) int64 {
 
 // Read returns the lock key's state from a consistent read (the leader confirms it is
 // still the leader before answering), so that it reflects every write acknowledged before
-// the call. A Consul error is returned wrapped, with State.Known false.
+// the call. A Consul error is returned wrapped, with State.Known false. The state's Mode
+// is TokenLockIndex; set it to read the token of another mode.
 func Read(ctx context.Context, client *api.Client, key string) (State, error) {
 	q := (&api.QueryOptions{RequireConsistent: true}).WithContext(ctx)
 	pair, meta, err := client.KV().Get(key, q)

@@ -54,6 +54,10 @@ type WatcherConfig struct {
 
 	// Logger receives errors, outages, resynchronisations and regressions. Nil: no logs.
 	Logger *zap.Logger
+
+	// Mode says which number of a key is its token (State.Mode, regression detection).
+	// Empty: TokenLockIndex.
+	Mode TokenMode
 }
 
 // Watcher follows lock keys with consistent blocking queries and keeps, per key, the
@@ -76,8 +80,9 @@ type keyWatch struct {
 	state State
 
 	// History, for regression detection.
-	highest     uint64 // highest LockIndex seen
-	createIndex uint64 // CreateIndex when the key was first seen (0: never seen)
+	mode        TokenMode
+	highest     uint64 // highest token (of mode) issued while watched
+	createIndex uint64 // TokenLockIndex: CreateIndex when the key was first seen (0: never seen)
 }
 
 // NewWatcher validates cfg and returns a Watcher that is not running yet.
@@ -100,6 +105,11 @@ func NewWatcher(client *api.Client, cfg WatcherConfig) (*Watcher, error) {
 	if cfg.RetryMax <= 0 {
 		cfg.RetryMax = DefaultRetryMax
 	}
+	mode, err := ParseTokenMode(string(cfg.Mode))
+	if err != nil {
+		return nil, err
+	}
+	cfg.Mode = mode
 	if cfg.RetryMax < cfg.RetryMin {
 		return nil, fmt.Errorf("lease: NewWatcher: RetryMax %v < RetryMin %v", cfg.RetryMax, cfg.RetryMin)
 	}
@@ -114,7 +124,7 @@ func NewWatcher(client *api.Client, cfg WatcherConfig) (*Watcher, error) {
 		if _, dup := w.keys[k]; dup {
 			return nil, fmt.Errorf("lease: NewWatcher: key %q given twice", k)
 		}
-		w.keys[k] = &keyWatch{key: k, state: State{Key: k, Err: errNotSynced}}
+		w.keys[k] = &keyWatch{key: k, mode: mode, state: State{Key: k, Err: errNotSynced, Mode: mode}}
 	}
 	return w, nil
 }
@@ -229,6 +239,7 @@ func (w *Watcher) observe(k *keyWatch, pair *api.KVPair, index uint64) {
 	w.mu.Lock()
 	prev := k.state
 	next := stateOf(k.key, pair, index)
+	next.Mode = k.mode
 	newRegression := false
 	if prev.Regression == nil {
 		if reason := k.regressed(next); reason != "" {
@@ -251,7 +262,7 @@ func (w *Watcher) observe(k *keyWatch, pair *api.KVPair, index uint64) {
 
 	switch {
 	case newRegression:
-		w.log.Error("consul LockIndex regression: failing closed for this lock",
+		w.log.Error("consul token regression: failing closed for this lock",
 			zap.String("key", k.key), zap.Error(next.Regression))
 	case !prev.Known && prev.Err != errNotSynced:
 		w.log.Info("consul lock state resynchronised", zap.String("key", k.key),
@@ -262,15 +273,34 @@ func (w *Watcher) observe(k *keyWatch, pair *api.KVPair, index uint64) {
 	}
 }
 
-// regressed says why next breaks the monotonic sequence of LockIndexes the key had, or
-// "" if it does not. Only keys that issued a token (highest > 0) can regress: deleting
-// and re-creating a key nobody ever locked harms nobody.
+// regressed says why next breaks the monotonic sequence of tokens the key issued, or ""
+// if it does not. Only keys that issued a token (highest > 0) can regress: deleting and
+// re-creating a key nobody ever locked harms nobody.
+//
+// TokenLockIndex: any new CreateIndex is a regression (LockIndex restarted), and so is a
+// LockIndex below the highest. TokenCreateLock: only a token below the highest is, which
+// takes a plain write on a held key (LockIndex back to 0 under the same CreateIndex) or a
+// snapshot restore (CreateIndex back); a re-created key's tokens are higher (EncodeToken).
 func (k *keyWatch) regressed(next State) string {
 	if !next.Exists || k.highest == 0 {
 		return ""
 	}
+	if k.mode == TokenCreateLock {
+		cur, err := next.Current()
+		if err != nil || uint64(cur) >= k.highest {
+			return "" // out of range: unusable, and Check says so (ZF007); not a regression
+		}
+		hc, hl := DecodeToken(int64(k.highest))
+		if next.CreateIndex < hc {
+			return fmt.Sprintf("the key's CreateIndex went back from %d to %d (a snapshot restore, or a Consul that lost its data)",
+				hc, next.CreateIndex)
+		}
+		return fmt.Sprintf("LockIndex went from %d to %d under CreateIndex %d (a plain write to the held key resets it to 0)",
+			hl, next.LockIndex, next.CreateIndex)
+	}
 	if k.createIndex != 0 && next.CreateIndex != k.createIndex {
-		return fmt.Sprintf("the key was deleted and created again (CreateIndex %d, was %d), so its LockIndex restarted at %d",
+		return fmt.Sprintf("the key was deleted and created again (CreateIndex %d, was %d), so its LockIndex restarted at %d "+
+			"(with `consul lock` or api.Lock's Destroy, use --consul-token-mode create-lock)",
 			next.CreateIndex, k.createIndex, next.LockIndex)
 	}
 	if next.LockIndex < k.highest {
@@ -283,7 +313,13 @@ func (k *keyWatch) regressed(next State) string {
 // record adds a regression-free state to the history.
 func (k *keyWatch) record(s State) {
 	if !s.Exists {
-		return // a deleted key keeps its history: re-creating it is a regression
+		return // a deleted key keeps its history: a lower token later is a regression
+	}
+	if k.mode == TokenCreateLock {
+		if cur, err := s.Current(); err == nil && s.LockIndex > 0 {
+			k.highest = max(k.highest, uint64(cur))
+		}
+		return
 	}
 	if k.createIndex == 0 {
 		k.createIndex = s.CreateIndex
@@ -328,11 +364,45 @@ func (w *Watcher) Reset(key string) error {
 	next.Highest = k.highest
 	k.state = next
 	w.mu.Unlock()
-	w.log.Warn("lock history reset by operator", zap.String("key", key), zap.Uint64("token", next.LockIndex))
+	w.log.Warn("lock history reset by operator", zap.String("key", key), zap.Uint64("lock_index", next.LockIndex))
 	if changed(prev, next) {
 		w.notify(next)
 	}
 	return nil
+}
+
+// Regress marks the key's state regressed with reason (unless it already is), as if the watch
+// had seen it: for regressions learned elsewhere (the database's record of one, made by another
+// proxy or before a restart). It is sticky until Reset, and reported through OnChange.
+func (w *Watcher) Regress(key, reason string) error {
+	k, ok := w.keys[key]
+	if !ok {
+		return fmt.Errorf("lease: Regress: key %q is not watched", key)
+	}
+	k.emit.Lock()
+	defer k.emit.Unlock()
+	w.mu.Lock()
+	prev := k.state
+	if prev.Regression != nil {
+		w.mu.Unlock()
+		return nil
+	}
+	next := prev
+	next.Regression = &RegressionError{Key: key, Reason: reason, Highest: k.highest, CreateIndex: k.createIndex, Seen: prev, At: time.Now()}
+	k.state = next
+	w.mu.Unlock()
+	w.log.Error("consul token regression recorded elsewhere: failing closed for this lock",
+		zap.String("key", key), zap.Error(next.Regression))
+	w.notify(next)
+	return nil
+}
+
+// Read is a consistent read of a watched key, with the watcher's token mode; it changes
+// nothing in the watcher.
+func (w *Watcher) Read(ctx context.Context, key string) (State, error) {
+	s, err := Read(ctx, w.client, key)
+	s.Mode = w.cfg.Mode
+	return s, err
 }
 
 // Validate is the token check at session start. It refuses while the key's state is not
@@ -349,13 +419,14 @@ func (w *Watcher) Validate(ctx context.Context, key string, token int64, session
 	}
 	w.mu.Lock()
 	cur := k.state
-	hist := keyWatch{key: key, highest: k.highest, createIndex: k.createIndex}
+	hist := keyWatch{key: key, mode: k.mode, highest: k.highest, createIndex: k.createIndex}
 	w.mu.Unlock()
 	if err := cur.usable(); err != nil {
 		return cur, err
 	}
 
 	s, err := Read(ctx, w.client, key)
+	s.Mode = k.mode
 	if err != nil {
 		return s, &TokenError{Key: key, Token: token, Session: session, State: s, Err: ErrUnavailable, Cause: err}
 	}

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"errors"
-	"io"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -110,7 +109,7 @@ func TestValidate(t *testing.T) {
 		{"session not the holder", client, heldKey, 2, other.ID(), lease.ErrSessionMismatch},
 		{"free lock, its last token", client, freeKey, 1, "", lease.ErrNotHeld},
 		{"free lock, higher token", client, freeKey, 2, "", lease.ErrNotIssued},
-		{"missing key", client, noKey, 1, "", lease.ErrNotIssued},
+		{"missing key", client, noKey, 1, "", lease.ErrNotHeld},
 		{"missing key, token 0", client, noKey, 0, "", lease.ErrNotHeld},
 		{"negative token", client, heldKey, -1, "", lease.ErrStale},
 		{"consul unreachable", down, heldKey, 2, "", lease.ErrUnavailable},
@@ -273,15 +272,7 @@ func TestWatcherSnapshotRestore(t *testing.T) {
 	s := newSession(t, client)
 	l := acquire(t, s, key)
 	rec.waitFor(t, "LockIndex 1", func(s lease.State) bool { return s.LockIndex == 1 })
-	snap, _, err := client.Snapshot().Save(nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	data, err := io.ReadAll(snap)
-	snap.Close()
-	if err != nil {
-		t.Fatal(err)
-	}
+	data := saveSnapshot(t, client)
 	for range 2 {
 		if err := l.Release(testCtx(t)); err != nil {
 			t.Fatal(err)

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
+	"github.com/fenceproxy/fenceproxy/internal/lease"
 	"github.com/fenceproxy/fenceproxy/internal/wire"
 )
 
@@ -84,11 +85,17 @@ type Config struct {
 	DebugPprof bool `help:"Also serve Go's profiler at /debug/pprof/ on --metrics-listen (for performance work)."`
 
 	// Consul configures token validation (see internal/lease).
-	ConsulAddr     string `help:"Consul HTTP address; empty: tokens are not validated against Consul." name:"consul-addr"`
-	ConsulToken    string `help:"Consul ACL token." name:"consul-token"`
-	ConsulCAFile   string `help:"CA file for TLS to Consul." name:"consul-ca-file" type:"path"`
-	ConsulScheme   string `help:"http or https." name:"consul-scheme" default:"http"`
-	ConsulDownMode string `help:"When Consul is unreachable: refuse (no new sessions; default) or trust-database (admit tokens not lower than the stored one)." name:"consul-down" default:"refuse" enum:"refuse,trust-database"`
+	ConsulAddr   string `help:"Consul HTTP address; empty: tokens are not validated against Consul." name:"consul-addr"`
+	ConsulToken  string `help:"Consul ACL token." name:"consul-token"`
+	ConsulCAFile string `help:"CA file for TLS to Consul." name:"consul-ca-file" type:"path"`
+	ConsulScheme string `help:"http or https." name:"consul-scheme" default:"http"`
+	// ConsulStartTimeout bounds the check of Consul at start (Guard.Check). 0: 15 s.
+	ConsulStartTimeout time.Duration `help:"At start, how long to wait for Consul to answer before exiting with the cause (an ACL refusal or a wrong scheme exits at once)." name:"consul-start-timeout" default:"15s"`
+	ConsulDownMode     string        `help:"When Consul is unreachable: refuse (no new sessions; default) or trust-database (admit tokens not lower than the stored one)." name:"consul-down" default:"refuse" enum:"refuse,trust-database"`
+	// ConsulTokenMode says which number of a lock key is the token: lockindex (the
+	// LockIndex, the default) or create-lock (CreateIndex×2^24+LockIndex, which stays
+	// monotonic when the key is deleted and re-created; see lease.EncodeToken).
+	ConsulTokenMode string `help:"Which number of the Consul lock key is the token: lockindex (its LockIndex; the key must never be deleted) or create-lock (CreateIndex*2^24+LockIndex: keeps growing when the key is deleted and re-created, as consul lock and api.Lock's Destroy do)." name:"consul-token-mode" default:"lockindex" enum:"lockindex,create-lock"`
 	// etcd configures token validation against etcd elections (EtcdGuard).
 	EtcdEndpoints []string `help:"etcd client URLs (comma-separated), for --etcd-resource." name:"etcd-endpoints" sep:","`
 	EtcdResources []string `help:"Resource validated against an etcd election, NAME=PREFIX (repeatable; NAME is also a --resource)." name:"etcd-resource" sep:","`
@@ -144,6 +151,9 @@ func (c Config) validate() (*settings, error) {
 	case ConsulDownRefuse, ConsulDownTrustDatabase:
 	default:
 		return nil, fmt.Errorf("consul-down: %q is not refuse or trust-database", s.ConsulDownMode)
+	}
+	if _, err := lease.ParseTokenMode(s.ConsulTokenMode); err != nil {
+		return nil, fmt.Errorf("consul-token-mode: %w", err)
 	}
 	switch s.Unfenced {
 	case "":

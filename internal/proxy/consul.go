@@ -5,8 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"time"
 
 	"github.com/hashicorp/consul/api"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
@@ -30,6 +32,31 @@ const (
 //
 // Consul's word is needed to admit a token, never to keep the guarantee: the
 // database's bind and raise order commits whatever the Guard knows.
+//
+// How two holders could share a token, or a stale holder be admitted, and what stops each:
+//
+//   - A token below the stored one: fence.bind refuses it (P3), whatever the Guard says.
+//   - A token above the current one (forged, or from a lease Consul never granted): Admit
+//     refuses it (ZF002) after a consistent read, before anything is raised.
+//   - The current token, presented by a holder that lost the lock since: the consistent read
+//     in Admit shows the lock free (ZF006) or a newer token (ZF001); with fence.session, also
+//     another holder (ZF009). A read older than the hand-over cannot admit it later than the
+//     new holder's raise: the raise ends every backend bound to the lower token (P2).
+//   - Consul issuing one number twice (its sequence goes back: a plain PUT on the held key, a
+//     snapshot restore, a Consul that lost its data; in lockindex mode also a re-created key)
+//     and climbing back to a token already admitted: the old holder (without fence.session)
+//     and the new one would both pass a check against Consul alone, and the database admits
+//     a token equal to the stored one. Three things stop it. The watch sees the sequence go
+//     below the highest token it saw (a sticky regression, ZF007). The regression is recorded
+//     in the database (fence.consul_regress), which every proxy and a restarted one read
+//     (loadRegressions, and fence.consul_admit's answer). And the database records the holder
+//     session of each admitted token (fence.consul_admit), so the same number with another
+//     holder is a regression even when no proxy watched the sequence go back (C2).
+//   - A regression misread from stale state (raises of quick hand-overs crossing): judge
+//     decides with a consistent read made after the database answered, so the current
+//     leader is never refused for a token the database stored from a later hand-over.
+//
+// Without a control database only the first three and the watch of each process remain.
 type Guard struct {
 	watcher  *lease.Watcher
 	reg      *fence.Registry
@@ -38,10 +65,18 @@ type Guard struct {
 	byKey    map[string]string // key -> resource
 	downMode string
 	pool     *pgxpool.Pool // control database for proactive raises (nil: none)
+	control  string        // its URL, for the LISTEN of fence resets
 	key      fence.Key     // the proxy key, for the raise's proof
 	metrics  *guardMetrics
+	mode     lease.TokenMode // which number of a key is the token
 
-	raiseMu sync.Mutex // one raise at a time per Guard keeps the log readable
+	raiseMu sync.Mutex // one raise at a time per Guard: they go in the order of the hand-overs
+
+	// reported is the regression each resource was last reported with, so that one
+	// regression is counted, logged and recorded in the database once (the watcher reports
+	// it again with every later change of the key).
+	reportMu sync.Mutex
+	reported map[string]*lease.RegressionError
 }
 
 type guardMetrics struct {
@@ -65,7 +100,8 @@ func NewGuard(ctx context.Context, cfg Config, opts GuardOptions) (*Guard, error
 	if err != nil {
 		return nil, err
 	}
-	g := &Guard{reg: opts.Registry, log: opts.Logger, keys: map[string]string{}, byKey: map[string]string{}, downMode: s.ConsulDownMode, key: s.Key}
+	g := &Guard{reg: opts.Registry, log: opts.Logger, keys: map[string]string{}, byKey: map[string]string{}, downMode: s.ConsulDownMode, key: s.Key,
+		reported: map[string]*lease.RegressionError{}}
 	if g.log == nil {
 		g.log = zap.NewNop()
 	}
@@ -88,10 +124,10 @@ func NewGuard(ctx context.Context, cfg Config, opts GuardOptions) (*Guard, error
 	if err != nil {
 		return nil, err
 	}
-	return g.finish(ctx, client, keys, s.ControlDatabase, opts.Registerer)
+	return g.finish(ctx, client, keys, s.ControlDatabase, lease.TokenMode(s.ConsulTokenMode), opts.Registerer)
 }
 
-func (g *Guard) finish(ctx context.Context, client *api.Client, keys []string, control string, reg prometheus.Registerer) (*Guard, error) {
+func (g *Guard) finish(ctx context.Context, client *api.Client, keys []string, control string, mode lease.TokenMode, reg prometheus.Registerer) (*Guard, error) {
 	g.metrics = &guardMetrics{
 		regressions: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "fenceproxy_lockindex_regressions_total",
 			Help: "Consul LockIndex regressions detected; the resource fails closed until an operator resets it."}, []string{"resource"}),
@@ -103,31 +139,85 @@ func (g *Guard) finish(ctx context.Context, client *api.Client, keys []string, c
 	if reg != nil {
 		reg.MustRegister(g.metrics.regressions, g.metrics.raises, g.metrics.known)
 	}
-	w, err := lease.NewWatcher(client, lease.WatcherConfig{Keys: keys, OnChange: g.onChange, Logger: g.log})
+	w, err := lease.NewWatcher(client, lease.WatcherConfig{Keys: keys, OnChange: g.onChange, Logger: g.log, Mode: mode})
 	if err != nil {
 		return nil, err
 	}
 	g.watcher = w
+	g.mode = mode
 	if control != "" {
 		pool, err := pgxpool.New(ctx, control)
 		if err != nil {
 			return nil, fmt.Errorf("control database: %w", err)
 		}
 		g.pool = pool
+		g.control = control
 	} else {
 		g.log.Warn("no --control-database: a new holder's token is raised in the database only when it connects")
 	}
 	return g, nil
 }
 
-// Run watches Consul until ctx ends.
+// Run watches Consul until ctx ends. Regressions recorded in the database (by any proxy,
+// before any restart) fail their resources closed before the watch starts.
 func (g *Guard) Run(ctx context.Context) error {
 	defer func() {
 		if g.pool != nil {
 			g.pool.Close()
 		}
 	}()
+	if g.pool != nil {
+		resets := make(chan struct{})
+		go func() { defer close(resets); g.followResets(ctx, g.control) }()
+		defer func() { <-resets }()
+		if err := g.loadRegressions(ctx); err != nil {
+			g.log.Error("could not read the regressions recorded in the database (is the fence schema at version 7? run fenceproxy migrate); they are learned at the next admission",
+				zap.Error(err))
+		}
+	}
 	return g.watcher.Run(ctx)
+}
+
+// loadRegressions marks the regressions recorded in fence.consul_tokens in the watcher.
+func (g *Guard) loadRegressions(ctx context.Context) error {
+	rows, err := g.pool.Query(ctx, "SELECT resource, regression FROM fence.consul_tokens WHERE regression IS NOT NULL")
+	if err != nil {
+		return err
+	}
+	found, err := pgx.CollectRows(rows, pgx.RowToStructByPos[struct{ Resource, Regression string }])
+	if err != nil {
+		return err
+	}
+	for _, r := range found {
+		if key, ok := g.keys[r.Resource]; ok {
+			g.watcher.Regress(key, r.Regression) //nolint:errcheck // the key is watched
+		}
+	}
+	return nil
+}
+
+// Check reads every watched key once, with consistent reads, so that a misconfigured Consul
+// fails the proxy's start with the cause instead of refusing every session later: an ACL
+// refusal or a wrong scheme (lease.Permanent) fails at once; other errors (a dead port, no
+// leader) are retried until ctx ends, then returned.
+func (g *Guard) Check(ctx context.Context) error {
+	for key := range g.byKey {
+		for {
+			_, err := g.watcher.Read(ctx, key)
+			if err == nil {
+				break
+			}
+			if lease.Permanent(err) {
+				return fmt.Errorf("consul: %w (check --consul-token and its ACL policy: key read on %q, and --consul-addr/--consul-scheme)", err, key)
+			}
+			select {
+			case <-ctx.Done():
+				return fmt.Errorf("consul did not answer (check --consul-addr): %w", err)
+			case <-time.After(500 * time.Millisecond):
+			}
+		}
+	}
+	return nil
 }
 
 // Validates reports whether the Guard checks resource's tokens against Consul.
@@ -136,8 +226,9 @@ func (g *Guard) Validates(resource string) bool {
 	return ok
 }
 
-// Admit implements Admitter: the token must be the current LockIndex of a
-// held lock (and the holder session, when given).
+// Admit implements Admitter: the token must be the current token (of the mode)
+// of a held lock (and the holder session, when given), and the database's record
+// of Consul tokens must agree (admitRecorded).
 func (g *Guard) Admit(ctx context.Context, c fence.Credentials) error {
 	key, ok := g.keys[c.Resource]
 	if !ok {
@@ -145,16 +236,21 @@ func (g *Guard) Admit(ctx context.Context, c fence.Credentials) error {
 	}
 	st, err := g.watcher.Validate(ctx, key, c.Token, c.Session)
 	if err == nil {
-		return nil
+		return g.admitRecorded(ctx, c.Resource, key, c.Token, st.Session)
 	}
 	var re *lease.RegressionError
 	switch {
 	case errors.As(err, &re):
+		// Validate's own read can see a regression before the watch does: make it
+		// sticky (and recorded) at once.
+		g.watcher.Regress(key, re.Reason) //nolint:errcheck // the key is watched
 		return regressionError(c.Resource, re)
 	case errors.Is(err, lease.ErrStale):
-		return fence.Stale(c.Resource, c.Token, int64(st.LockIndex))
+		cur, _ := st.Current()
+		return fence.Stale(c.Resource, c.Token, cur)
 	case errors.Is(err, lease.ErrNotIssued):
-		return fence.NotIssued(c.Resource, c.Token, int64(st.LockIndex))
+		cur, _ := st.Current()
+		return fence.NotIssued(c.Resource, c.Token, cur)
 	case errors.Is(err, lease.ErrNotHeld):
 		return fence.NotHeld(c.Resource, c.Token)
 	case errors.Is(err, lease.ErrSessionMismatch):
@@ -173,13 +269,89 @@ func (g *Guard) Admit(ctx context.Context, c fence.Credentials) error {
 	return fence.Unavailable(c.Resource, err.Error())
 }
 
+// admitRecorded is the database's part of admitting tok, which Consul just showed as the
+// current token of res, held by holder: fence.consul_admit records (tok, holder), and answers
+// with a regression some proxy recorded, or with a higher token recorded since. Without a
+// control database there is no record, and only this process's memory of regressions.
+func (g *Guard) admitRecorded(ctx context.Context, res, key string, tok int64, holder string) error {
+	if g.pool == nil {
+		return nil
+	}
+	var rec fence.ConsulRecord
+	err := g.pool.AcquireFunc(ctx, func(c *pgxpool.Conn) error {
+		var err error
+		rec, err = g.key.ConsulAdmit(ctx, c.Conn(), res, tok, holder)
+		return err
+	})
+	if err != nil {
+		return fence.Unavailable(res, "the database's record of Consul tokens (fence.consul_admit, schema version 7: "+
+			"run fenceproxy migrate) could not be updated: "+err.Error())
+	}
+	return g.judge(ctx, res, key, tok, holder, rec)
+}
+
+// judge decides what a database record means for tok, which Consul showed as current for
+// res, held by holder. The reasoning, case by case:
+//
+//   - A recorded regression: some proxy saw the token go backwards (or the database saw one
+//     number with two holders): fail closed, until fence.reset.
+//   - The record is tok with holder: admitted.
+//   - A higher recorded token (the record never holds tok with another holder: the database
+//     turns that into a regression): either a newer hand-over happened after the consistent
+//     read that showed tok (another proxy admitted it, or this proxy's watch is behind), and
+//     tok is stale (ZF001); or Consul's sequence went back below a token already admitted,
+//     a regression (ZF007). A consistent read started now tells them apart: a current token
+//     at or above the recorded one means the first. Deciding this from the state in hand
+//     instead refused the current leader when raises of quick hand-overs crossed.
+func (g *Guard) judge(ctx context.Context, res, key string, tok int64, holder string, rec fence.ConsulRecord) error {
+	switch {
+	case rec.Regression != "":
+		g.watcher.Regress(key, rec.Regression) //nolint:errcheck // the key is watched
+		return fence.Regression(res, rec.Regression)
+	case rec.Admits(tok, holder):
+		return nil
+	case rec.Token <= tok:
+		// Not an answer consul_admit gives (it records a higher token, and one number with
+		// two holders is a regression): refuse rather than guess.
+		return fence.Unavailable(res, fmt.Sprintf("the database recorded token %d of Consul session %q for token %d of session %q",
+			rec.Token, rec.Holder, tok, holder))
+	}
+	s, err := g.watcher.Read(ctx, key)
+	if err != nil {
+		return fence.Unavailable(res, "Consul's lock state is unknown ("+err.Error()+"); no token is admitted without Consul's word")
+	}
+	cur, err := s.Current()
+	if err != nil {
+		return fence.Unavailable(res, err.Error())
+	}
+	if cur >= rec.Token {
+		return fence.Stale(res, tok, rec.Token)
+	}
+	reason := fmt.Sprintf("the database admitted token %d (Consul session %q) but Consul's current token is %d: "+
+		"Consul's sequence went back (a plain write to the held key, or a snapshot restore)", rec.Token, rec.Holder, cur)
+	g.watcher.Regress(key, reason) //nolint:errcheck // the key is watched
+	return fence.Regression(res, reason)
+}
+
 func regressionError(resource string, re *lease.RegressionError) *fence.Error {
-	return fence.Regression(resource, fmt.Sprintf("Consul's LockIndex for lock %q went backwards: %s", re.Key, re.Reason))
+	return fence.Regression(resource, fmt.Sprintf("the token of Consul lock %q went backwards: %s", re.Key, re.Reason))
 }
 
 // onChange reacts to a lock's new state (called by the watcher, in order per key).
 func (g *Guard) onChange(st lease.State) {
 	res := g.byKey[st.Key]
+	if st.Regression != nil {
+		// Sticky until Reset, known or not: the database still holds tokens of the
+		// sequence Consul left.
+		g.reg.Block(res, regressionError(res, st.Regression))
+		if g.firstReport(res, st.Regression) {
+			g.metrics.regressions.WithLabelValues(res).Inc()
+			g.log.Error("failing closed: Consul token regression", zap.String("resource", res), zap.Error(st.Regression))
+			go g.record(res, st.Regression)
+		}
+	} else {
+		g.firstReport(res, nil)
+	}
 	if st.Known {
 		g.metrics.known.WithLabelValues(res).Set(1)
 	} else {
@@ -189,52 +361,100 @@ func (g *Guard) onChange(st lease.State) {
 		return
 	}
 	if st.Regression != nil {
-		g.metrics.regressions.WithLabelValues(res).Inc()
-		g.log.Error("failing closed: Consul LockIndex regression", zap.String("resource", res), zap.Error(st.Regression))
-		g.reg.Block(res, regressionError(res, st.Regression))
 		return
 	}
-	if !st.Held || st.LockIndex == 0 {
+	tok, err := st.Token()
+	switch {
+	case errors.Is(err, lease.ErrNotHeld):
 		// Nobody holds the lock: the last holder's sessions get no new
 		// transactions until a holder exists again.
-		g.reg.Block(res, fence.NotHeld(res, int64(st.LockIndex)))
+		cur, _ := st.Current()
+		g.reg.Block(res, fence.NotHeld(res, cur))
+		return
+	case err != nil:
+		// Indexes outside the token's encoding (lease.ErrTokenRange).
+		g.reg.Block(res, fence.Unavailable(res, err.Error()))
 		return
 	}
 	g.reg.Block(res, nil)
-	tok := int64(st.LockIndex)
 	if tok > g.reg.Highest("", res) {
 		// Sessions of older tokens are ended from now on, in every database;
 		// the database raise makes it binding for every proxy.
 		g.reg.Observe("", res, tok)
-		go g.raise(res, tok)
+		go g.raise(res, st.Key, tok, st.Session)
 	}
 }
 
-// raise stores tok in the database (proactive fencing).
-func (g *Guard) raise(res string, tok int64) {
+// firstReport records re as res's current regression and reports whether it is new (nil:
+// none any more, after a Reset).
+func (g *Guard) firstReport(res string, re *lease.RegressionError) bool {
+	g.reportMu.Lock()
+	defer g.reportMu.Unlock()
+	if g.reported[res] == re {
+		return false
+	}
+	g.reported[res] = re
+	return re != nil
+}
+
+// record keeps a regression in the database (fence.consul_regress), where every proxy and a
+// restarted one find it; only fence.reset clears it there.
+func (g *Guard) record(res string, re *lease.RegressionError) {
+	if g.pool == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	err := g.pool.AcquireFunc(ctx, func(c *pgxpool.Conn) error {
+		_, err := g.key.ConsulRegress(ctx, c.Conn(), res, max(1, int64(re.Highest)), re.Reason)
+		return err
+	})
+	if err != nil {
+		g.log.Error("could not record the regression in the database; this proxy fails closed, others learn it at their next admission",
+			zap.String("resource", res), zap.Error(err))
+	}
+}
+
+// raise records tok with its holder and stores it in the database (proactive fencing). Raises
+// run one at a time, and a raise that a newer hand-over overtook is skipped: its holder is no
+// longer the leader, and the newer raise covers it.
+func (g *Guard) raise(res, key string, tok int64, holder string) {
 	if g.pool == nil {
 		return
 	}
 	g.raiseMu.Lock()
 	defer g.raiseMu.Unlock()
+	if tok < g.reg.Highest("", res) {
+		g.metrics.raises.WithLabelValues(res, "superseded").Inc()
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	var rec fence.ConsulRecord
 	var stored int64
-	err := g.pool.AcquireFunc(context.Background(), func(c *pgxpool.Conn) error {
+	err := g.pool.AcquireFunc(ctx, func(c *pgxpool.Conn) error {
 		var err error
-		stored, err = g.key.Raise(context.Background(), c.Conn(), res, tok)
+		// Recorded first: the database never stores a token whose holder it does not know.
+		if rec, err = g.key.ConsulAdmit(ctx, c.Conn(), res, tok, holder); err != nil || !rec.Admits(tok, holder) {
+			return err
+		}
+		stored, err = g.key.Raise(ctx, c.Conn(), res, tok)
 		return err
 	})
+	if err == nil && stored > tok {
+		rec = fence.ConsulRecord{Token: stored} // a higher token admitted: judge tells why
+	}
 	switch {
 	case err != nil:
 		g.metrics.raises.WithLabelValues(res, "error").Inc()
 		g.log.Error("proactive raise failed; the new holder's token is raised when it connects", zap.String("resource", res), zap.Int64("token", tok), zap.Error(err))
-	case stored > tok:
-		// The database admitted more than Consul ever issued: Consul's
-		// numbers went backwards across a restart of this proxy.
-		g.metrics.raises.WithLabelValues(res, "regression").Inc()
-		g.metrics.regressions.WithLabelValues(res).Inc()
-		re := &lease.RegressionError{Key: g.keys[res], Reason: fmt.Sprintf("the database admitted token %d but Consul's LockIndex is %d", stored, tok), Highest: uint64(stored)}
-		g.log.Error("failing closed: stored token above Consul's LockIndex", zap.String("resource", res), zap.Int64("stored", stored), zap.Int64("lock_index", tok))
-		g.reg.Block(res, regressionError(res, re))
+	case !rec.Admits(tok, holder):
+		if jerr := g.judge(ctx, res, key, tok, holder, rec); errors.Is(jerr, fence.ErrStale) {
+			g.metrics.raises.WithLabelValues(res, "superseded").Inc()
+		} else {
+			g.metrics.raises.WithLabelValues(res, "refused").Inc()
+			g.log.Warn("proactive raise refused", zap.String("resource", res), zap.Int64("token", tok), zap.Error(jerr))
+		}
 	default:
 		g.metrics.raises.WithLabelValues(res, "raised").Inc()
 		g.log.Info("raised token for the new holder", zap.String("resource", res), zap.Int64("token", tok))

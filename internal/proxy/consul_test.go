@@ -112,10 +112,11 @@ func eventually(t *testing.T, what string, f func() error) {
 
 func TestConsulAdmission(t *testing.T) {
 	s := startConsulProxy(t)
-	// Nobody ever held the lock: Consul never issued any token. (Until the
-	// watch has synchronised, every token is refused with ZF007.)
+	// The key does not exist: nobody holds the lock (ZF006, whatever the token:
+	// an incarnation of the key that is gone may have issued it). Until the
+	// watch has synchronised, every token is refused with ZF007.
 	eventually(t, "never-held lock refused", func() error {
-		if err := connectErr(s.url(1)); sqlstate(err) != fence.CodeNotIssued {
+		if err := connectErr(s.url(1)); sqlstate(err) != fence.CodeNotHeld {
 			return fmt.Errorf("got %v", err)
 		}
 		return nil

@@ -331,23 +331,32 @@ func (sess *session) classify(st *wire.Startup) error {
 // learns nothing of the tokens), whether a fenced session's token may be
 // bound: not below the highest token this proxy knows of (the early
 // refusal; fence.bind refuses it anyway), and Consul's word when the resource
-// has a lock key.
+// has a lock key. For a Consul resource, Consul is asked first: a token below
+// the stored one that Consul shows as current is a regression (ZF007, the
+// Guard decides), not a stale leader (ZF001).
 func (sess *session) admit(ctx context.Context) error {
 	s, cred := sess.srv, sess.cred
-	if h := s.reg.Highest(sess.database, cred.Resource); h > cred.Token {
-		return fatalFence(fence.Stale(cred.Resource, cred.Token, h))
-	}
 	if v, ok := s.admit.(interface{ Validates(string) bool }); ok && v.Validates(cred.Resource) {
 		sess.consulChecked = true
 	}
+	if h := s.reg.Highest(sess.database, cred.Resource); h > cred.Token && !sess.consulChecked {
+		return fatalFence(fence.Stale(cred.Resource, cred.Token, h))
+	}
 	if s.admit != nil {
 		if err := s.admit.Admit(ctx, cred); err != nil {
+			if h := s.reg.Highest(sess.database, cred.Resource); h > cred.Token && !fence.IsRegression(err) {
+				// Stale whatever Consul's state (unknown during an outage): say so.
+				return fatalFence(fence.Stale(cred.Resource, cred.Token, h))
+			}
 			var fe *fence.Error
 			if errors.As(err, &fe) {
 				return fatalFence(fe)
 			}
 			return fatalFence(fence.Unavailable(cred.Resource, err.Error()))
 		}
+	}
+	if h := s.reg.Highest(sess.database, cred.Resource); h > cred.Token {
+		return fatalFence(fence.Stale(cred.Resource, cred.Token, h))
 	}
 	return nil
 }

@@ -1,4 +1,4 @@
--- The fence schema as the migrations install it (version 5: sessions bound to tokens, leases): objects,
+-- The fence schema as the migrations install it (version 7: sessions bound to tokens, leases, Consul's record): objects,
 -- types, constraints, function properties and privileges; the version-1 commit-time check is
 -- gone. What PUBLIC may do is shown by running as such a role in 40_grants.sql.
 \ir _psql.psql
@@ -17,8 +17,8 @@ SELECT has_table('fence', 'bindings', 'fence.bindings exists');
 SELECT has_table('fence', 'keys', 'fence.keys exists');
 SELECT has_table('fence', 'goose_db_version', 'goose keeps its version table in the fence schema');
 SELECT hasnt_table('public', 'goose_db_version', 'no goose version table in public');
-SELECT is((SELECT max(version_id) FROM fence.goose_db_version WHERE is_applied), 5::bigint,
-    'the schema is at version 5');
+SELECT is((SELECT max(version_id) FROM fence.goose_db_version WHERE is_applied), 7::bigint,
+    'the schema is at version 7');
 
 -- fence.tokens (version 1, unchanged).
 SELECT col_type_is('fence', 'tokens', 'resource', 'text', 'tokens.resource is text');
@@ -65,7 +65,7 @@ SELECT lives_ok($$INSERT INTO fence.keys (key) VALUES (sha256('fenceproxy pgTAP 
 SELECT throws_ok($$INSERT INTO fence.keys (id, key) VALUES (2, sha256('another key'::bytea))$$,
     '23514', NULL, 'fence.keys holds one row only (id 1)');
 
--- The functions: exactly these sixteen (the lease's four are tested in 50_lease.sql); all but fence.mac (a plain expression that fence.bind's
+-- The functions: exactly these eighteen (the lease's four are tested in 50_lease.sql, Consul's two in 70_consul.sql); all but fence.mac (a plain expression that fence.bind's
 -- query inlines, which needs SECURITY INVOKER and no SET) SECURITY DEFINER with a pinned
 -- search_path.
 SELECT has_function('fence', 'bind', ARRAY['text', 'bigint', 'text']);
@@ -85,8 +85,8 @@ SELECT function_returns('fence', 'raise', ARRAY['text', 'bigint', 'text'], 'bigi
 SELECT function_returns('fence', 'reset', ARRAY['text', 'bigint'], 'bigint');
 SELECT function_returns('fence', 'settled', ARRAY['text', 'bigint', 'text'], 'bigint');
 SELECT function_returns('fence', 'proof', ARRAY['text', 'text', 'bigint', 'integer'], 'text');
-SELECT is((SELECT count(*) FROM pg_proc WHERE pronamespace = 'fence'::regnamespace), 16::bigint,
-    'the fence schema holds exactly sixteen functions');
+SELECT is((SELECT count(*) FROM pg_proc WHERE pronamespace = 'fence'::regnamespace), 18::bigint,
+    'the fence schema holds exactly eighteen functions');
 SELECT is(array_agg(p.oid::regprocedure::text ORDER BY p.oid::regprocedure::text), NULL,
     'every fence function is SECURITY DEFINER')
 FROM pg_proc AS p WHERE p.pronamespace = 'fence'::regnamespace AND NOT p.prosecdef
@@ -157,8 +157,8 @@ SELECT is((SELECT relpersistence::text FROM pg_class WHERE oid = 'fence.bindings
     'fence.bindings is UNLOGGED: a binding means nothing once its backend is gone, and no backend outlives a crash');
 SELECT is((SELECT relpersistence::text FROM pg_class WHERE oid = 'fence.tokens'::regclass), 'p',
     'fence.tokens is logged: an admitted token survives a crash');
-SELECT is(array_agg(p.proname::text ORDER BY p.proname), ARRAY['bind', 'raise', 'settled'],
-    'PUBLIC may execute exactly fence.bind, fence.raise and fence.settled (each needs the proxy''s proof)')
+SELECT is(array_agg(p.proname::text ORDER BY p.proname), ARRAY['bind', 'consul_admit', 'consul_regress', 'raise', 'settled'],
+    'PUBLIC may execute exactly fence.bind, fence.consul_admit, fence.consul_regress, fence.raise and fence.settled (each needs the proxy''s proof)')
 FROM pg_proc AS p
 WHERE p.pronamespace = 'fence'::regnamespace AND has_function_privilege('tap_nobody', p.oid, 'EXECUTE');
 

@@ -1,0 +1,49 @@
+package fence
+
+import (
+	"context"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// ConsulRecord is what the database keeps of a Consul-validated resource (fence.consul_tokens,
+// migration 7): the highest token admitted on Consul's word, the Consul session that held the
+// lock with it, and the regression that fails the resource closed ("" when none).
+type ConsulRecord struct {
+	Token      int64
+	Holder     string
+	Regression string
+}
+
+// Admits reports whether the record lets token be admitted for holder: no regression, and
+// the record is this very token and holder (fence.consul_admit records a higher token).
+func (r ConsulRecord) Admits(token int64, holder string) bool {
+	return r.Regression == "" && r.Token == token && r.Holder == holder
+}
+
+// ConsulAdmit records through conn (the proxy's control connection) that Consul showed token
+// as the current token of resource's lock, held by session holder, and returns the record
+// afterwards (fence.consul_admit: C1-C3 in migration 7).
+func (k Key) ConsulAdmit(ctx context.Context, conn *pgx.Conn, resource string, token int64, holder string) (ConsulRecord, error) {
+	var r ConsulRecord
+	var regression *string
+	err := k.inTx(ctx, conn, "consul", resource, token, func(tx pgx.Tx, c Call) error {
+		return tx.QueryRow(ctx, "SELECT recorded, recorded_holder, regression FROM fence.consul_admit($1, $2, $3, $4)",
+			c.Resource, c.Token, holder, c.Proof).Scan(&r.Token, &r.Holder, &regression)
+	})
+	if regression != nil {
+		r.Regression = *regression
+	}
+	return r, err
+}
+
+// ConsulRegress records through conn that resource's Consul token went backwards (token: the
+// highest token known, for the proof), and returns the regression recorded: the first one,
+// which stays until fence.reset (fence.consul_regress).
+func (k Key) ConsulRegress(ctx context.Context, conn *pgx.Conn, resource string, token int64, reason string) (string, error) {
+	var recorded string
+	err := k.inTx(ctx, conn, "consul", resource, token, func(tx pgx.Tx, c Call) error {
+		return tx.QueryRow(ctx, "SELECT fence.consul_regress($1, $2, $3, $4)", c.Resource, c.Token, reason, c.Proof).Scan(&recorded)
+	})
+	return recorded, err
+}

@@ -1,0 +1,96 @@
+-- Consul's record (migration 7): fence.consul_tokens written only through fence.consul_admit and
+-- fence.consul_regress, called on dblink connections as the proxy calls them (autocommit, with the
+-- proof of the calling backend), as an application role with no grant of its own (tap_consul);
+-- and fence.reset as the one way out. C1-C4 are the proof obligations of the migration.
+\ir _psql.psql
+
+BEGIN;
+SELECT plan(26);
+\ir _helpers.psql
+
+CREATE ROLE tap_nobody_consul NOLOGIN;
+SELECT pg_temp.store_key() \g /dev/null
+SELECT pg_temp.login_role('tap_consul') \g /dev/null
+SELECT dblink_exec(pg_temp.connstr('postgres'), $$
+    DELETE FROM fence.consul_tokens WHERE resource LIKE 'tap-consul%';
+    DELETE FROM fence.tokens WHERE resource LIKE 'tap-consul%';
+$$) \g /dev/null
+SELECT pg_temp.connect('p1', 'tap_consul') \g /dev/null
+SELECT pg_temp.connect('p2', 'tap_consul') \g /dev/null
+
+-- fence.consul_admit on conn with a valid proof, as 'recorded holder regression?'.
+CREATE FUNCTION pg_temp.admit(conn text, resource text, token bigint, holder text) RETURNS text LANGUAGE sql AS $$
+    SELECT r FROM dblink(conn, format('SELECT recorded || '' '' || recorded_holder || '' '' || (regression IS NOT NULL) FROM fence.consul_admit(%L, %s, %L, %L)',
+                                      resource, token, holder, pg_temp.proof('consul', resource, token, conn))) AS t(r text)
+$$;
+CREATE FUNCTION pg_temp.regress(conn text, resource text, token bigint, reason text) RETURNS text LANGUAGE sql AS $$
+    SELECT r FROM dblink(conn, format('SELECT fence.consul_regress(%L, %s, %L, %L)',
+                                      resource, token, reason, pg_temp.proof('consul', resource, token, conn))) AS t(r text)
+$$;
+CREATE FUNCTION pg_temp.regression_of(resource text) RETURNS text LANGUAGE sql AS $$
+    SELECT r FROM dblink(pg_temp.connstr('postgres'), format('SELECT regression FROM fence.consul_tokens WHERE resource = %L', resource)) AS t(r text)
+$$;
+
+-- The table and who may write it (C4).
+SELECT has_table('fence', 'consul_tokens', 'fence.consul_tokens exists');
+SELECT col_is_pk('fence', 'consul_tokens', 'resource', 'consul_tokens.resource is the primary key');
+SELECT table_privs_are('fence', 'consul_tokens', 'tap_nobody_consul', ARRAY['SELECT'], 'PUBLIC may only read fence.consul_tokens');
+SELECT is(array_agg(p.proname::text ORDER BY p.proname), ARRAY['consul_admit', 'consul_regress'],
+    'the Consul functions are SECURITY DEFINER with search_path pinned to pg_catalog, pg_temp')
+FROM pg_proc AS p
+WHERE p.pronamespace = 'fence'::regnamespace AND p.proname LIKE 'consul%' AND p.prosecdef
+  AND p.proconfig = ARRAY['search_path=pg_catalog, pg_temp'];
+SELECT isnt(obj_description('fence.consul_tokens'::regclass, 'pg_class'), NULL, 'fence.consul_tokens is documented');
+
+-- Only the proxy writes (C4): no proof, or another backend's proof, is ZF010.
+SELECT is((pg_temp.error_of(format('SELECT * FROM dblink(%L, %L) AS t(a bigint, b text, c text)', 'p1',
+    'SELECT * FROM fence.consul_admit(''tap-consul'', 5, ''s1'', ''nope'')')))[1], 'ZF010',
+    'fence.consul_admit without the proxy''s proof: ZF010');
+SELECT is((pg_temp.error_of(format('SELECT * FROM dblink(%L, %L) AS t(r text)', 'p1',
+    format('SELECT fence.consul_regress(''tap-consul'', 5, ''x'', %L)', pg_temp.proof('consul', 'tap-consul', 5, 'p2')))))[1], 'ZF010',
+    'fence.consul_regress with another backend''s proof: ZF010');
+SELECT is(pg_temp.regression_of('tap-consul'), NULL, 'nothing recorded by refused calls');
+SELECT is((pg_temp.error_of(format('SELECT * FROM dblink(%L, %L) AS t(a bigint, b text, c text)', 'p1',
+    format('SELECT * FROM fence.consul_admit(''tap-consul'', 5, '''', %L)', pg_temp.proof('consul', 'tap-consul', 5, 'p1')))))[1], 'ZF004',
+    'fence.consul_admit without a holder: ZF004');
+
+-- Admissions and the growing record (C3).
+SELECT is(pg_temp.admit('p1', 'tap-consul', 5, 's1'), '5 s1 false', 'first admission recorded with its holder');
+SELECT is(pg_temp.admit('p2', 'tap-consul', 5, 's1'), '5 s1 false', 'the same token and holder again, through another proxy: admitted');
+SELECT is(pg_temp.admit('p2', 'tap-consul', 7, 's2'), '7 s2 false', 'a higher token is recorded');
+SELECT is(pg_temp.admit('p1', 'tap-consul', 6, 's9'), '7 s2 false',
+    'a lower token (an older hand-over reported late) changes nothing and is no regression: the proxy asks Consul');
+SELECT is(pg_temp.regression_of('tap-consul'), NULL, 'no regression recorded so far');
+
+-- One token, one holder (C2).
+SELECT is(pg_temp.admit('p1', 'tap-consul', 7, 's3'), '7 s2 true', 'the recorded token with another holder: a regression');
+SELECT matches(pg_temp.regression_of('tap-consul'), 'token 7 was admitted for Consul session s2 and is now held by session s3',
+    'the regression names both holders');
+
+-- Never forgotten (C1): every later admission answers with it, the first reason stays.
+SELECT is(pg_temp.admit('p2', 'tap-consul', 7, 's2'), '7 s2 true', 'the first holder is refused too');
+SELECT is(pg_temp.admit('p2', 'tap-consul', 8, 's4'), '7 s2 true', 'a higher token does not clear it, nor is it recorded');
+SELECT matches(pg_temp.regress('p1', 'tap-consul', 8, 'another reason'), 'token 7 was admitted',
+    'fence.consul_regress keeps the first reason');
+SELECT pg_temp.connect('p1', 'tap_consul') \g /dev/null
+SELECT is(pg_temp.admit('p1', 'tap-consul', 8, 's4'), '7 s2 true', 'a new connection (a restarted proxy) still gets it');
+
+-- A regression recorded directly (a proxy's watch saw the token go back).
+SELECT is(pg_temp.regress('p1', 'tap-consul-b', 3, 'LockIndex went from 3 to 0'), 'LockIndex went from 3 to 0',
+    'fence.consul_regress records a regression for a resource without a row');
+SELECT is(pg_temp.admit('p2', 'tap-consul-b', 3, 's1'), '0  true', 'and admissions answer with it');
+
+-- fence.reset is the way out (not granted to PUBLIC).
+SELECT function_privs_are('fence', 'reset', ARRAY['text', 'bigint'], 'tap_nobody_consul', ARRAY[]::text[],
+    'PUBLIC may not execute fence.reset');
+SELECT is(pg_temp.remote(pg_temp.connstr('postgres'), $$SELECT fence.reset('tap-consul', 8)::text$$)::text, NULL,
+    'fence.reset of the resource (no token stored before: NULL)');
+SELECT is(pg_temp.regression_of('tap-consul'), NULL, 'fence.reset forgets the Consul row');
+SELECT is(pg_temp.admit('p1', 'tap-consul', 8, 's4'), '8 s4 false', 'after the reset, the current holder is admitted');
+
+SELECT dblink_exec(pg_temp.connstr('postgres'), $$
+    DELETE FROM fence.consul_tokens WHERE resource LIKE 'tap-consul%';
+    DELETE FROM fence.tokens WHERE resource LIKE 'tap-consul%';
+$$) \g /dev/null
+SELECT * FROM finish();
+ROLLBACK;
