@@ -2,10 +2,12 @@ package proxy
 
 import (
 	"context"
+	_ "embed" // the status page
 	"encoding/json"
 	"fmt"
 	"net/http"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -98,10 +100,41 @@ func (s *Server) Status(ctx context.Context) Status {
 	return st
 }
 
+// statusPage is the status page: plain HTML and a script that reads /status and /history.
+//
+//go:embed ui/status.html
+var statusPage []byte
+
 // AdminMux returns the admin listener's handler: /healthz (the process answers), /readyz
-// (200 or 503 with the reasons), /status (JSON), and metrics on /metrics.
+// (200 or 503 with the reasons), /status (JSON), /history (JSON, the control database's
+// fence.history), the status page at /, and metrics on /metrics.
 func (s *Server) AdminMux(metrics http.Handler) *http.ServeMux {
 	mux := http.NewServeMux()
+	mux.HandleFunc("GET /{$}", func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "text/html; charset=utf-8")
+		w.Write(statusPage) //nolint:errcheck // the client went away
+	})
+	mux.HandleFunc("GET /history", func(w http.ResponseWriter, r *http.Request) {
+		if s.control == nil {
+			writeJSON(w, http.StatusNotFound, map[string]string{"error": "no history: the proxy has no --control-database to read fence.history from"})
+			return
+		}
+		limit, err := strconv.Atoi(r.URL.Query().Get("limit"))
+		if err != nil || limit <= 0 {
+			limit = 100
+		}
+		ctx, cancel := context.WithTimeout(r.Context(), 5*time.Second)
+		defer cancel()
+		h, err := fence.ReadHistory(ctx, s.control, r.URL.Query().Get("resource"), min(limit, 1000))
+		if err != nil {
+			writeJSON(w, http.StatusServiceUnavailable, map[string]string{"error": err.Error()})
+			return
+		}
+		if h == nil {
+			h = []fence.HistoryEntry{}
+		}
+		writeJSON(w, http.StatusOK, h)
+	})
 	mux.Handle("GET /metrics", metrics)
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
@@ -117,14 +150,15 @@ func (s *Server) AdminMux(metrics http.Handler) *http.ServeMux {
 		fmt.Fprintln(w, "ready")
 	})
 	mux.HandleFunc("GET /status", func(w http.ResponseWriter, r *http.Request) {
-		writeJSON(w, s.Status(r.Context()))
+		writeJSON(w, http.StatusOK, s.Status(r.Context()))
 	})
 	return mux
 }
 
-func writeJSON(w http.ResponseWriter, v any) {
+func writeJSON(w http.ResponseWriter, code int, v any) {
 	w.Header().Set("Content-Type", "application/json")
 	w.Header().Set("Cache-Control", "no-store")
+	w.WriteHeader(code)
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
 	enc.Encode(v) //nolint:errcheck // the client went away
