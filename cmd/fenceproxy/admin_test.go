@@ -157,6 +157,16 @@ func TestServeAdminAndReload(t *testing.T) {
 		}
 	}
 
+	// The status page, and the history it shows (the control database's fence.history).
+	if code, page := get("/"); code != 200 || !strings.Contains(page, "<title>fenceproxy status</title>") {
+		t.Errorf("status page: %d\n%s", code, page)
+	}
+	code, body = get("/history?resource=billing")
+	var hist []fence.HistoryEntry
+	if err := json.Unmarshal([]byte(body), &hist); code != 200 || err != nil || len(hist) != 1 || hist[0].Token != 3 || hist[0].Resource != "billing" {
+		t.Errorf("/history: %d %v\n%s", code, err, body)
+	}
+
 	// SIGHUP: a new resource from the file; the open session goes on.
 	if _, err := pgx.Connect(ctx, url+"&fence.resource=ledger&fence.token=1"); err == nil {
 		t.Fatal("resource ledger admitted before it was configured")
