@@ -19,6 +19,7 @@ packages=(
   python3-psycopg2                   # a second driver in the tests
   docker-compose                     # the demo's compose file
   prometheus                         # promtool checks the alert rules (its server is kept stopped)
+  chromium                           # headless browser test of the status page
 )
 
 prog=deps
