@@ -80,7 +80,7 @@ type Config struct {
 
 	// MetricsListen is the admin listener: /metrics, /healthz, /readyz, /status and the
 	// status page (empty: off). A port alone (":9187") listens on loopback.
-	MetricsListen string `help:"Admin listener, HOST:PORT or :PORT (loopback): /metrics, /healthz, /readyz, /status and the status page at / (empty: off)." aliases:"admin-listen"`
+	MetricsListen string `help:"Admin listener (alias --admin-listen), HOST:PORT or :PORT (loopback): /metrics, /healthz, /readyz, /status, /history and the status page at / (empty: off)." aliases:"admin-listen"`
 	// DebugPprof also serves Go's profiler on MetricsListen (/debug/pprof/).
 	DebugPprof bool `help:"Also serve Go's profiler at /debug/pprof/ on --metrics-listen (for performance work)."`
 	// FlapChanges and FlapWindow define flapping: more than FlapChanges leader changes of a
