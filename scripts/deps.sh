@@ -18,6 +18,8 @@ packages=(
   pgbouncer                          # comparison in the benchmark
   python3-psycopg2                   # a second driver in the tests
   docker-compose                     # the demo's compose file
+  prometheus                         # promtool checks the alert rules (its server is kept stopped)
+  chromium                           # headless browser test of the status page
 )
 
 prog=deps
@@ -64,6 +66,14 @@ else
         as_root service pgbouncer stop >/dev/null 2>&1 || true
       fi
       say "system pgbouncer stopped"
+      ;;
+    prometheus)
+      if [ -d /run/systemd/system ]; then
+        as_root systemctl disable --now prometheus prometheus-node-exporter >/dev/null 2>&1 || true
+      else
+        as_root service prometheus stop >/dev/null 2>&1 || true
+      fi
+      say "system prometheus stopped"
       ;;
     esac
   done

@@ -3,15 +3,60 @@ package main
 import (
 	"context"
 	"fmt"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"go.uber.org/zap"
+
+	"github.com/fenceproxy/fenceproxy/internal/fence"
 )
 
 // FenceCmd groups operator tools on the stored tokens.
 type FenceCmd struct {
-	Show  FenceShowCmd  `cmd:"" help:"List the highest admitted token of every resource, the live sessions bound to each token, and the PostgreSQL leases."`
-	Reset FenceResetCmd `cmd:"" help:"Set a resource's stored token, even lower (the way out after a Consul LockIndex regression)."`
+	Show    FenceShowCmd    `cmd:"" help:"List the highest admitted token of every resource, the live sessions bound to each token, and the PostgreSQL leases."`
+	Reset   FenceResetCmd   `cmd:"" help:"Set a resource's stored token, even lower (the way out after a Consul LockIndex regression)."`
+	History FenceHistoryCmd `cmd:"" help:"Print the history of admitted tokens (every raise and reset), oldest first."`
+}
+
+// FenceHistoryCmd prints fence.history.
+type FenceHistoryCmd struct {
+	Database string `help:"Database URL (directly to PostgreSQL)." required:""`
+	Resource string `help:"Only this resource."`
+	Limit    int    `help:"The most recent N entries." default:"50"`
+}
+
+// Run prints the last Limit entries of the history, oldest first.
+func (f *FenceHistoryCmd) Run(ctx context.Context) error {
+	conn, err := pgx.Connect(ctx, f.Database)
+	if err != nil {
+		return err
+	}
+	defer conn.Close(ctx)
+	entries, err := fence.ReadHistory(ctx, conn, f.Resource, f.Limit)
+	if err != nil {
+		return err
+	}
+	fmt.Printf("%-30s %-24s %12s %12s  %-5s  %-24s  %s\n", "raised_at", "resource", "token", "previous", "how", "holder", "raised by")
+	for _, e := range entries {
+		prev, how, holder, by := "-", "raise", "-", e.Role+"@local"
+		if e.Previous != nil {
+			prev = fmt.Sprint(*e.Previous)
+		}
+		if e.Reset {
+			how = "reset"
+		}
+		if e.Holder != "" {
+			holder = e.Holder
+		}
+		if e.ClientAddr != "" {
+			by = e.Role + "@" + e.ClientAddr
+		}
+		if e.ApplicationName != "" {
+			by += " (" + e.ApplicationName + ")"
+		}
+		fmt.Printf("%-30s %-24s %12d %12s  %-5s  %-24s  %s pid %d\n", e.At.UTC().Format(time.RFC3339Nano), e.Resource, e.Token, prev, how, holder, by, e.PID)
+	}
+	return nil
 }
 
 // FenceShowCmd lists fence.tokens.

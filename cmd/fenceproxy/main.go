@@ -58,21 +58,23 @@ func (VersionCmd) Run() error {
 	return nil
 }
 
-func newLogger(level, format string) (*zap.Logger, error) {
-	var lvl zapcore.Level
-	if err := lvl.UnmarshalText([]byte(level)); err != nil {
-		return nil, err
+// newLogger returns the logger and its level, which a reload may change.
+func newLogger(level, format string) (*zap.Logger, zap.AtomicLevel, error) {
+	lvl, err := zap.ParseAtomicLevel(level)
+	if err != nil {
+		return nil, lvl, err
 	}
 	cfg := zap.NewProductionConfig()
 	if format == "console" {
 		cfg = zap.NewDevelopmentConfig()
 	}
-	cfg.Level = zap.NewAtomicLevelAt(lvl)
+	cfg.Level = lvl
 	cfg.OutputPaths = []string{"stderr"}
 	cfg.ErrorOutputPaths = []string{"stderr"}
 	cfg.DisableStacktrace = true
 	cfg.EncoderConfig.EncodeTime = zapcore.ISO8601TimeEncoder
-	return cfg.Build()
+	log, err := cfg.Build()
+	return log, lvl, err
 }
 
 // configJSON is kong.JSON with the file's keys read as the flag names they are documented to
@@ -103,15 +105,22 @@ func main() {
 	os.Exit(run(os.Args[1:]))
 }
 
-func run(args []string) int {
-	var c cli
-	parser, err := kong.New(&c,
+func newParser(c *cli) (*kong.Kong, error) {
+	return kong.New(c,
 		kong.Name("fenceproxy"),
 		kong.Description("PostgreSQL proxy that fences stale leaders: each session is bound to its fencing token inside PostgreSQL, and admitting a higher token ends the sessions of lower ones."),
 		kong.UsageOnError(),
 		kong.DefaultEnvars("FENCEPROXY"),
 		kong.Configuration(configJSON),
 	)
+}
+
+// reloadSource reads the command line, environment and configuration file again (SIGHUP).
+type reloadSource func() (*cli, error)
+
+func run(args []string) int {
+	var c cli
+	parser, err := newParser(&c)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "fenceproxy:", err)
 		return 2
@@ -121,7 +130,7 @@ func run(args []string) int {
 		fmt.Fprintln(os.Stderr, "fenceproxy:", err)
 		return 2
 	}
-	log, err := newLogger(c.LogLevel, c.LogFormat)
+	log, level, err := newLogger(c.LogLevel, c.LogFormat)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "fenceproxy:", err)
 		return 2
@@ -131,7 +140,17 @@ func run(args []string) int {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
 	kctx.BindTo(ctx, (*context.Context)(nil))
-	kctx.Bind(log)
+	kctx.Bind(log, level, reloadSource(func() (*cli, error) {
+		var again cli
+		p, err := newParser(&again)
+		if err != nil {
+			return nil, err
+		}
+		if _, err := p.Parse(args); err != nil {
+			return nil, err
+		}
+		return &again, nil
+	}))
 	if err := kctx.Run(); err != nil {
 		var ec interface{ ExitCode() int }
 		if errors.As(err, &ec) {

@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"reflect"
 	"slices"
 	"strconv"
 	"strings"
@@ -434,5 +435,29 @@ func TestFenceCommands(t *testing.T) {
 	run("reset", "--database", pg.AdminURL(), "--resource", "billing", "--token", "1")
 	if out := run("show", "--database", pg.AdminURL()); !hasLine(out, "billing", "1") {
 		t.Fatalf("fence show after lowering:\n%s", out)
+	}
+
+	// The history (migration 6): every raise and reset, oldest first, without the time.
+	history := func(args ...string) [][]string {
+		var h [][]string
+		for _, f := range lines(run(append([]string{"history", "--database", pg.AdminURL()}, args...)...))[1:] {
+			if len(f) > 6 {
+				h = append(h, f[1:7])
+			}
+		}
+		return h
+	}
+	want := [][]string{
+		{"payroll", "2", "0", "raise", "-", "postgres@127.0.0.1"},
+		{"billing", "5", "0", "raise", "-", "postgres@127.0.0.1"},
+		{"leased", "1", "0", "raise", "worker-1", "postgres@127.0.0.1"},
+		{"billing", "9", "5", "reset", "-", "postgres@127.0.0.1"},
+		{"billing", "1", "9", "reset", "-", "postgres@127.0.0.1"},
+	}
+	if h := history(); !reflect.DeepEqual(h, want) {
+		t.Fatalf("fence history:\n%v\nwant\n%v", h, want)
+	}
+	if h := history("--resource", "billing", "--limit", "2"); !reflect.DeepEqual(h, want[3:]) {
+		t.Fatalf("fence history --resource billing --limit 2:\n%v\nwant\n%v", h, want[3:])
 	}
 }

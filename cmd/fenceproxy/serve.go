@@ -3,9 +3,14 @@ package main
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net"
 	"net/http"
 	"net/http/pprof"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -32,8 +37,13 @@ func checkConsul(ctx context.Context, guard *proxy.Guard, timeout time.Duration)
 	return guard.Check(cctx)
 }
 
-// Run serves until SIGTERM/SIGINT, then drains sessions and exits 0.
-func (s *ServeCmd) Run(ctx context.Context, log *zap.Logger) error {
+// Run serves until SIGTERM/SIGINT, then drains sessions and exits 0. SIGHUP reloads what can
+// change without a restart (Server.Reload, and the log level) from the same sources as at
+// startup, and logs what it could not apply.
+func (s *ServeCmd) Run(ctx context.Context, log *zap.Logger, level zap.AtomicLevel, again reloadSource) error {
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	defer signal.Stop(hup)
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	metrics := proxy.NewMetrics(reg)
@@ -46,7 +56,7 @@ func (s *ServeCmd) Run(ctx context.Context, log *zap.Logger) error {
 	if err != nil {
 		return err
 	}
-	opts := proxy.Options{Logger: log, Metrics: metrics, Registry: registry}
+	opts := proxy.Options{Logger: log, Metrics: metrics, Registry: registry, Registerer: reg}
 	switch {
 	case guard != nil && etcdGuard != nil:
 		opts.Admitter = proxy.Admitters{guard, etcdGuard}
@@ -74,18 +84,27 @@ func (s *ServeCmd) Run(ctx context.Context, log *zap.Logger) error {
 	bg, cancelBG := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelBG()
 	if s.MetricsListen != "" {
-		mux := http.NewServeMux()
-		mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+		addr := s.MetricsListen
+		if strings.HasPrefix(addr, ":") {
+			addr = "127.0.0.1" + addr // a port alone: loopback, the admin endpoints are not for clients
+		}
+		aln, err := net.Listen("tcp", addr)
+		if err != nil {
+			ln.Close()
+			return fmt.Errorf("admin listener: %w", err)
+		}
+		mux := srv.AdminMux(promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 		if s.DebugPprof {
 			mux.HandleFunc("/debug/pprof/", pprof.Index)
 			mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
 			mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
 			mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
 		}
-		hs := &http.Server{Addr: s.MetricsListen, Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+		hs := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+		log.Info("admin listening", zap.String("admin", aln.Addr().String()))
 		go func() {
-			if err := hs.ListenAndServe(); err != nil && !errors.Is(err, http.ErrServerClosed) {
-				log.Error("metrics server failed", zap.Error(err))
+			if err := hs.Serve(aln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+				log.Error("admin server failed", zap.Error(err))
 			}
 		}()
 		defer hs.Close()
@@ -99,7 +118,39 @@ func (s *ServeCmd) Run(ctx context.Context, log *zap.Logger) error {
 	if etcdGuard != nil {
 		go etcdGuard.Run(bg) //nolint:errcheck // returns only when bg ends
 	}
+	go func() {
+		for {
+			select {
+			case <-bg.Done():
+				return
+			case <-hup:
+				reload(srv, log, level, again)
+			}
+		}
+	}()
 	err = srv.Serve(ctx, ln)
 	log.Info("fenceproxy stopped")
 	return err
+}
+
+// reload applies the configuration read again; an invalid one changes nothing.
+func reload(srv *proxy.Server, log *zap.Logger, level zap.AtomicLevel, again reloadSource) {
+	c, err := again()
+	if err != nil {
+		log.Error("reload (SIGHUP) failed: nothing changed", zap.Error(err))
+		return
+	}
+	applied, skipped, err := srv.Reload(c.Serve.Config)
+	if err != nil {
+		log.Error("reload (SIGHUP) failed: nothing changed", zap.Error(err))
+		return
+	}
+	if lvl, err := zap.ParseAtomicLevel(c.LogLevel); err == nil && lvl.Level() != level.Level() {
+		applied = append(applied, fmt.Sprintf("log-level %s (was %s)", lvl.Level(), level.Level()))
+		level.SetLevel(lvl.Level())
+	}
+	log.Info("reloaded (SIGHUP)", zap.Strings("applied", applied))
+	if len(skipped) > 0 {
+		log.Warn("reload (SIGHUP) could not apply these changes; restart to apply them", zap.Strings("not_applied", skipped))
+	}
 }

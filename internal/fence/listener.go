@@ -36,9 +36,20 @@ func ParsePayload(p string) (resource string, token int64, reset bool, err error
 // it reads fence.tokens whole, so raises notified while it was disconnected
 // are not missed. ready, if not nil, is called after each successful sync.
 func Listen(ctx context.Context, url string, reg *Registry, log *zap.Logger, ready func()) error {
+	return Follow(ctx, url, reg, log, func(synced bool) {
+		if synced && ready != nil {
+			ready()
+		}
+	})
+}
+
+// Follow is Listen that also says when the listener loses its connection: synced(true) after
+// each sync, synced(false) at each loss (a proxy is not ready while it may miss raises).
+func Follow(ctx context.Context, url string, reg *Registry, log *zap.Logger, synced func(bool)) error {
 	backoff := 100 * time.Millisecond
 	for {
-		err := listenOnce(ctx, url, reg, ready)
+		err := listenOnce(ctx, url, reg, func() { synced(true) })
+		synced(false)
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}

@@ -204,7 +204,7 @@ func waitBlockedBy(t *testing.T, conn *pgx.Conn, pid uint32) uint32 {
 }
 
 // allVersions are the embedded migrations, in order.
-var allVersions = []int64{1, 2, 3, 4, 5, 7}
+var allVersions = []int64{1, 2, 3, 4, 5, 6, 7}
 
 func TestMigrate(t *testing.T) {
 	c := startSchemaCluster(t)
@@ -462,8 +462,8 @@ func wantVersion4Objects(t *testing.T, conn *pgx.Conn) {
 	if n := countRows(t, conn, "pg_trigger WHERE tgrelid = 'fence.tokens'::regclass AND NOT tgisinternal"); n != 0 {
 		t.Errorf("fence.tokens still has %d triggers", n)
 	}
-	if n := countRows(t, conn, "pg_class WHERE relkind = 'S' AND relnamespace = 'fence'::regnamespace AND relname <> 'goose_db_version_id_seq'"); n != 0 {
-		t.Errorf("the fence schema has %d sequences besides goose's", n)
+	if n := countRows(t, conn, "pg_class WHERE relkind = 'S' AND relnamespace = 'fence'::regnamespace AND relname NOT IN ('goose_db_version_id_seq', 'history_id_seq')"); n != 0 {
+		t.Errorf("the fence schema has %d sequences besides goose's and the history's", n)
 	}
 }
 
@@ -575,8 +575,8 @@ func TestMigrateV4Upgrade(t *testing.T) {
 		case <-time.After(30 * time.Second):
 			t.Fatal("Migrate did not complete within 30 s of the checked transaction's end")
 		}
-		if r.err != nil || !slices.Equal(r.applied, []int64{4, 5, 7}) {
-			t.Fatalf("upgrade applied %v, %v; want [4 5 7]", r.applied, r.err)
+		if r.err != nil || !slices.Equal(r.applied, []int64{4, 5, 6, 7}) {
+			t.Fatalf("upgrade applied %v, %v; want [4 5 6 7]", r.applied, r.err)
 		}
 		select {
 		case err := <-lateDone:
@@ -628,7 +628,7 @@ func TestMigrateV4Upgrade(t *testing.T) {
 	})
 }
 
-// TestMigrateV4Down: version 5 (the lease) migrates down to version 4 and up again; version 4
+// TestMigrateV4Down: versions 6 (the history) and 5 (the lease) migrate down to version 4 and up again; version 4
 // cannot be migrated down: the attempt fails and leaves the schema at version 4, fencing
 // intact.
 func TestMigrateV4Down(t *testing.T) {
@@ -660,14 +660,18 @@ func TestMigrateV4Down(t *testing.T) {
 	if err := conn.QueryRow(t.Context(), "SELECT to_regclass('fence.leases') IS NOT NULL").Scan(&leases); err != nil || leases {
 		t.Errorf("fence.leases after migrating version 5 down: exists %t, %v", leases, err)
 	}
+	var history bool
+	if err := conn.QueryRow(t.Context(), "SELECT to_regclass('fence.history') IS NOT NULL").Scan(&history); err != nil || history {
+		t.Errorf("fence.history after migrating version 6 down: exists %t, %v", history, err)
+	}
 	if got := storedToken(t, conn, "billing"); got == nil || *got != 5 {
 		t.Fatalf("after the failed down migration the token is %v, want 5", got)
 	}
 	if got := mustBind(t, schemaConnect(t, url), "billing", 5); got != 5 {
 		t.Fatalf("bind after the failed down migration = %d", got)
 	}
-	if applied, err := fence.Migrate(t.Context(), url); err != nil || !slices.Equal(applied, []int64{5, 7}) {
-		t.Fatalf("Migrate after the failed down migration = %v, %v; want [5 7]", applied, err)
+	if applied, err := fence.Migrate(t.Context(), url); err != nil || !slices.Equal(applied, []int64{5, 6, 7}) {
+		t.Fatalf("Migrate after the failed down migration = %v, %v; want [5 6 7]", applied, err)
 	}
 	if got := mustBind(t, schemaConnect(t, url), "billing", 5); got != 5 {
 		t.Fatalf("bind at version 5 again = %d", got)

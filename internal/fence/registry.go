@@ -1,7 +1,9 @@
 package fence
 
 import (
+	"sort"
 	"sync"
+	"time"
 )
 
 // Registry keeps, per database and resource, the highest token this proxy instance knows to
@@ -11,8 +13,16 @@ import (
 // optimisation: the database ends stale backends at the raise, so a registry that is late (a
 // lost notification) only delays an early refusal or a clear error message.
 type Registry struct {
-	mu  sync.Mutex
-	res map[string]*entry
+	mu       sync.Mutex
+	res      map[string]*entry
+	onChange func(Change) // SetOnChange; nil: none
+}
+
+// Change is a resource's leader moving to a higher token (see Leader).
+type Change struct {
+	Resource string
+	From, To int64
+	At       time.Time
 }
 
 type entry struct {
@@ -20,6 +30,82 @@ type entry struct {
 	global  int64            // highest token known for every database (Consul)
 	blocked *Error           // non-nil: every session of the resource is refused with it
 	subs    map[*Subscription]struct{}
+
+	// What the status page and the leadership metrics show: the highest token known in any
+	// database (the leader), since when, who holds it when known, and how often it moved.
+	leader  int64
+	since   time.Time
+	holder  string
+	changes int64
+}
+
+// Leader is what a proxy knows of a resource's leadership.
+type Leader struct {
+	Resource string
+	// Token is the highest token known to be admitted, in any database (0: none yet).
+	Token int64
+	// Since is when this proxy learned of Token.
+	Since time.Time
+	// Holder is the holder of Token when known (a Consul session), else "".
+	Holder string
+	// Changes counts the moves of Token to a higher one since the proxy started (learning the
+	// first token is not one).
+	Changes int64
+	// Sessions is how many sessions of this proxy are bound to each token.
+	Sessions map[int64]int
+	// Blocked is the reason every session of the resource is refused, or nil.
+	Blocked *Error
+}
+
+// SetOnChange makes the registry call f, outside its lock, at each Change (nil: none).
+func (r *Registry) SetOnChange(f func(Change)) {
+	r.mu.Lock()
+	r.onChange = f
+	r.mu.Unlock()
+}
+
+// noteLeader records that token is known for e (under r.mu) and returns the Change, if any.
+func (e *entry) noteLeader(resource string, token int64) *Change {
+	if token <= e.leader {
+		return nil
+	}
+	from := e.leader
+	now := time.Now()
+	e.leader, e.since, e.holder = token, now, "" // the holder was the previous token's
+	if from == 0 {
+		return nil
+	}
+	e.changes++
+	return &Change{Resource: resource, From: from, To: token, At: now}
+}
+
+// SetHolder records holder as the holder of token for resource, if token is the leader.
+func (r *Registry) SetHolder(resource string, token int64, holder string) {
+	if holder == "" {
+		return
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if e := r.res[resource]; e != nil && e.leader == token {
+		e.holder = holder
+	}
+}
+
+// Leaders returns what is known of every resource the registry has seen, by name.
+func (r *Registry) Leaders() []Leader {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	out := make([]Leader, 0, len(r.res))
+	for name, e := range r.res {
+		l := Leader{Resource: name, Token: e.leader, Since: e.since, Holder: e.holder, Changes: e.changes,
+			Sessions: map[int64]int{}, Blocked: e.blocked}
+		for s := range e.subs {
+			l.Sessions[s.token]++
+		}
+		out = append(out, l)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Resource < out[j].Resource })
+	return out
 }
 
 func (e *entry) top(database string) int64 { return max(e.highest[database], e.global) }
@@ -76,6 +162,7 @@ func (r *Registry) Observe(database, resource string, token int64) {
 		}
 		e.highest[database] = token
 	}
+	change, onChange := e.noteLeader(resource, token), r.onChange
 	type stale struct {
 		s        *Subscription
 		admitted int64
@@ -92,6 +179,9 @@ func (r *Registry) Observe(database, resource string, token int64) {
 		if f.s.h.Stale != nil {
 			f.s.h.Stale(f.admitted)
 		}
+	}
+	if change != nil && onChange != nil {
+		onChange(*change)
 	}
 }
 
@@ -136,6 +226,11 @@ func (r *Registry) Reset(database, resource string, token int64) {
 	e := r.get(resource)
 	e.highest[database] = token
 	e.global = 0
+	e.leader = 0
+	for _, t := range e.highest {
+		e.leader = max(e.leader, t)
+	}
+	e.since, e.holder = time.Now(), ""
 }
 
 // Highest returns the highest token known for resource in database (0: none).

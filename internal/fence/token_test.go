@@ -311,3 +311,35 @@ func ExampleFromStartup() {
 	fmt.Println(c.Resource, c.Token, err, len(st.Params))
 	// Output: billing 34 <nil> 1
 }
+
+// TestRegistryLeaders: the leader is the highest token known in any database; learning the
+// first is not a change, each move up is one (and is reported), a lower or equal token is
+// none; the holder is kept for the leader's token only; sessions are counted by token.
+func TestRegistryLeaders(t *testing.T) {
+	r := fence.NewRegistry()
+	var changes []fence.Change
+	r.SetOnChange(func(c fence.Change) { changes = append(changes, c) })
+	r.Observe("app", "billing", 3)
+	r.SetHolder("billing", 3, "sess-a")
+	r.Subscribe("app", "billing", 3, fence.Handler{})
+	r.Subscribe("app", "billing", 3, fence.Handler{})
+	r.Observe("other", "billing", 2) // not above the leader
+	l := r.Leaders()
+	if len(l) != 1 || l[0].Token != 3 || l[0].Changes != 0 || l[0].Holder != "sess-a" || l[0].Sessions[3] != 2 || l[0].Since.IsZero() {
+		t.Fatalf("leaders %+v", l)
+	}
+	r.Observe("", "billing", 5)
+	r.SetHolder("billing", 4, "sess-old") // not the leader's token
+	r.Subscribe("app", "billing", 5, fence.Handler{})
+	l = r.Leaders()
+	if l[0].Token != 5 || l[0].Changes != 1 || l[0].Holder != "" || l[0].Sessions[3] != 2 || l[0].Sessions[5] != 1 {
+		t.Fatalf("leaders after a raise %+v", l)
+	}
+	if len(changes) != 1 || changes[0] != (fence.Change{Resource: "billing", From: 3, To: 5, At: changes[0].At}) {
+		t.Fatalf("changes %+v", changes)
+	}
+	r.Reset("app", "billing", 1)
+	if l = r.Leaders(); l[0].Token != 2 || l[0].Changes != 1 {
+		t.Fatalf("leaders after a reset %+v (want the other database's 2)", l)
+	}
+}

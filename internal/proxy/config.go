@@ -79,10 +79,15 @@ type Config struct {
 	// database (relay.go, staleWait; 0: that default). Tests set it.
 	StaleWait time.Duration `kong:"-" json:"-"`
 
-	// MetricsListen serves Prometheus metrics on /metrics (empty: off).
-	MetricsListen string `help:"Address for Prometheus /metrics (empty: off)."`
+	// MetricsListen is the admin listener: /metrics, /healthz, /readyz, /status and the
+	// status page (empty: off). A port alone (":9187") listens on loopback.
+	MetricsListen string `help:"Admin listener (alias --admin-listen), HOST:PORT or :PORT (loopback): /metrics, /healthz, /readyz, /status, /history and the status page at / (empty: off)." aliases:"admin-listen"`
 	// DebugPprof also serves Go's profiler on MetricsListen (/debug/pprof/).
 	DebugPprof bool `help:"Also serve Go's profiler at /debug/pprof/ on --metrics-listen (for performance work)."`
+	// FlapChanges and FlapWindow define flapping: more than FlapChanges leader changes of a
+	// resource within FlapWindow (0: 3 and 10 minutes).
+	FlapChanges int           `help:"A resource flaps when its leader changes more than this many times within --flap-window." default:"3"`
+	FlapWindow  time.Duration `help:"Window of --flap-changes." default:"10m"`
 
 	// Consul configures token validation (see internal/lease).
 	ConsulAddr   string `help:"Consul HTTP address; empty: tokens are not validated against Consul." name:"consul-addr"`
@@ -144,6 +149,12 @@ func (c Config) validate() (*settings, error) {
 	}
 	if s.ShutdownGrace <= 0 {
 		s.ShutdownGrace = 30 * time.Second
+	}
+	if s.FlapChanges <= 0 {
+		s.FlapChanges = 3
+	}
+	if s.FlapWindow <= 0 {
+		s.FlapWindow = 10 * time.Minute
 	}
 	switch s.ConsulDownMode {
 	case "":

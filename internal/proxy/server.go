@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
@@ -38,11 +39,17 @@ type Options struct {
 	Registry *fence.Registry
 	// Admitter validates tokens at session start (nil: no external validation).
 	Admitter Admitter
+	// Registerer receives the leadership metrics, read from the registry when scraped
+	// (nil: none).
+	Registerer prometheus.Registerer
 }
 
 // Server is a running proxy.
 type Server struct {
+	// cfg is the configuration at startup; live (conf) its part a reload may change, which
+	// is read from there and not from cfg.
 	cfg     *settings
+	live    atomic.Pointer[live]
 	log     *zap.Logger
 	metrics *Metrics
 	reg     *fence.Registry
@@ -55,6 +62,9 @@ type Server struct {
 	controlDB string
 	ready     chan struct{}
 	readyOnce sync.Once
+	// listenSynced is true while the control database's listener is synced (readyz).
+	listenSynced atomic.Bool
+	lead         *leadership
 
 	clients    atomic.Int64
 	sessionIDs atomic.Uint64 // for log correlation
@@ -79,11 +89,18 @@ func New(cfg Config, opts Options) (*Server, error) {
 		sessions: map[*session]struct{}{},
 		ready:    make(chan struct{}),
 	}
+	srv.live.Store(newLive(s))
 	if srv.log == nil {
 		srv.log = zap.NewNop()
 	}
 	if srv.reg == nil {
 		srv.reg = fence.NewRegistry()
+	}
+	srv.lead = newLeadership(srv)
+	if opts.Registerer != nil {
+		if err := opts.Registerer.Register(srv.lead); err != nil {
+			return nil, fmt.Errorf("proxy: leadership metrics: %w", err)
+		}
 	}
 	if s.ControlDatabase != "" && len(s.Key) > 0 {
 		pc, err := pgxpool.ParseConfig(s.ControlDatabase)
@@ -127,7 +144,12 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 		listening := make(chan struct{})
 		go func() {
 			defer close(listening)
-			fence.Listen(listenCtx, s.cfg.ControlDatabase, s.reg, s.log, s.markReady) //nolint:errcheck // returns when listenCtx ends
+			fence.Follow(listenCtx, s.cfg.ControlDatabase, s.reg, s.log, func(synced bool) { //nolint:errcheck // returns when listenCtx ends
+				s.listenSynced.Store(synced)
+				if synced {
+					s.markReady()
+				}
+			})
 		}()
 		defer func() { stopListening(); <-listening }()
 	} else {
@@ -169,12 +191,13 @@ func (s *Server) drain(cancel context.CancelFunc) {
 	}
 	n := len(s.sessions)
 	s.mu.Unlock()
-	s.log.Info("shutting down", zap.Int("sessions", n), zap.Duration("grace", s.cfg.ShutdownGrace))
+	grace := s.conf().shutdownGrace
+	s.log.Info("shutting down", zap.Int("sessions", n), zap.Duration("grace", grace))
 	done := make(chan struct{})
 	go func() { s.wg.Wait(); close(done) }()
 	select {
 	case <-done:
-	case <-time.After(s.cfg.ShutdownGrace):
+	case <-time.After(grace):
 		s.log.Warn("grace period over; closing remaining sessions")
 		cancel()
 		<-done

@@ -127,6 +127,7 @@ func (s *Server) handle(ctx context.Context, conn net.Conn) {
 			s.metrics.sessionOutcome("refused")
 			if f.resp.Code[:2] == "ZF" {
 				s.metrics.rejection(f.resp.Code)
+				s.lead.refusal(Refusal{At: time.Now(), Resource: sess.cred.Resource, Token: sess.cred.Token, SQLState: f.resp.Code, Message: f.resp.Message})
 			}
 			sess.log.Info("session refused", zap.String("sqlstate", f.resp.Code), zap.String("reason", f.resp.Message))
 			// sess.client, not conn: after an SSLRequest the error goes over TLS.
@@ -148,6 +149,9 @@ func (s *Server) handle(ctx context.Context, conn net.Conn) {
 	if err != nil && !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed) {
 		sess.log.Debug("session ended", zap.Error(err))
 	}
+	if sess.stale.Load() {
+		s.lead.endedStale(sess.cred.Resource)
+	}
 }
 
 var errCancelHandled = errors.New("cancel request handled")
@@ -158,7 +162,8 @@ var errCancelHandled = errors.New("cancel request handled")
 // ReadyForQuery and the session is ready to relay.
 func (sess *session) start(ctx context.Context, clients int64) error {
 	s := sess.srv
-	loginCtx, cancel := context.WithTimeout(ctx, s.cfg.LoginTimeout)
+	loginTimeout := s.conf().loginTimeout
+	loginCtx, cancel := context.WithTimeout(ctx, loginTimeout)
 	defer cancel()
 	// The raw connection: login replaces sess.client after a TLS handshake,
 	// and a deadline on the raw connection stops TLS reads too.
@@ -200,9 +205,9 @@ func (sess *session) start(ctx context.Context, clients int64) error {
 		// the timeout: say so, and whose side was late.
 		var f *fatal
 		if errors.As(err, &f) && f.resp.Code == wire.CodeConnectionFailure {
-			return fatalf(wire.CodeConnectionFailure, "login timeout: the server did not complete startup within %s (fenceproxy --login-timeout)", s.cfg.LoginTimeout)
+			return fatalf(wire.CodeConnectionFailure, "login timeout: the server did not complete startup within %s (fenceproxy --login-timeout)", loginTimeout)
 		}
-		return fatalf(wire.CodeProtocolViolation, "login timeout: startup and authentication took longer than %s (fenceproxy --login-timeout)", s.cfg.LoginTimeout)
+		return fatalf(wire.CodeProtocolViolation, "login timeout: startup and authentication took longer than %s (fenceproxy --login-timeout)", loginTimeout)
 	}
 	return err
 }
@@ -263,8 +268,8 @@ func (sess *session) login(ctx context.Context, clients int64) error {
 			st = p
 		}
 	}
-	if clients > int64(s.cfg.MaxClients) {
-		return fatalf(wire.CodeTooManyConnections, "sorry, too many clients already (fenceproxy max-clients %d)", s.cfg.MaxClients)
+	if maxClients := s.conf().maxClients; clients > int64(maxClients) {
+		return fatalf(wire.CodeTooManyConnections, "sorry, too many clients already (fenceproxy max-clients %d)", maxClients)
 	}
 	if s.draining.Load() {
 		return fatalf(wire.CodeCannotConnectNow, "fenceproxy is shutting down")
@@ -296,8 +301,8 @@ func (sess *session) login(ctx context.Context, clients int64) error {
 // classify reads the fence parameters (removing them from the startup
 // message) and decides the session's mode.
 func (sess *session) classify(st *wire.Startup) error {
-	s := sess.srv
-	cred, err := fence.FromStartup(st, s.cfg.names)
+	conf := sess.srv.conf()
+	cred, err := fence.FromStartup(st, conf.names)
 	if err != nil {
 		var fe *fence.Error
 		if errors.As(err, &fe) {
@@ -311,7 +316,7 @@ func (sess *session) classify(st *wire.Startup) error {
 		sess.database, _ = st.Param("user") // PostgreSQL's default
 	}
 	if !cred.Present {
-		switch s.cfg.Unfenced {
+		switch conf.unfenced {
 		case UnfencedAllow:
 		case UnfencedReadOnly:
 			// Best effort: a client can SET it off. A role without write
@@ -619,6 +624,7 @@ func (sess *session) bound(stored int64, serverErr *pgproto3.ErrorResponse) erro
 		return fatalf(fence.CodeUnavailable, "fenceproxy could not read the stored token for resource %q", c.Resource)
 	}
 	sess.srv.reg.Observe(sess.database, c.Resource, stored)
+	sess.srv.reg.SetHolder(c.Resource, c.Token, c.Session)
 	if stored > c.Token { // fence.bind refuses this itself; never trust one side alone
 		return fatalFence(fence.Stale(c.Resource, c.Token, stored))
 	}

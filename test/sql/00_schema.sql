@@ -1,4 +1,4 @@
--- The fence schema as the migrations install it (version 7: sessions bound to tokens, leases, Consul's record): objects,
+-- The fence schema as the migrations install it (version 7: sessions bound to tokens, leases, history, Consul's record): objects,
 -- types, constraints, function properties and privileges; the version-1 commit-time check is
 -- gone. What PUBLIC may do is shown by running as such a role in 40_grants.sql.
 \ir _psql.psql
@@ -85,8 +85,8 @@ SELECT function_returns('fence', 'raise', ARRAY['text', 'bigint', 'text'], 'bigi
 SELECT function_returns('fence', 'reset', ARRAY['text', 'bigint'], 'bigint');
 SELECT function_returns('fence', 'settled', ARRAY['text', 'bigint', 'text'], 'bigint');
 SELECT function_returns('fence', 'proof', ARRAY['text', 'text', 'bigint', 'integer'], 'text');
-SELECT is((SELECT count(*) FROM pg_proc WHERE pronamespace = 'fence'::regnamespace), 18::bigint,
-    'the fence schema holds exactly eighteen functions');
+SELECT is((SELECT count(*) FROM pg_proc WHERE pronamespace = 'fence'::regnamespace), 19::bigint,
+    'the fence schema holds exactly nineteen functions');
 SELECT is(array_agg(p.oid::regprocedure::text ORDER BY p.oid::regprocedure::text), NULL,
     'every fence function is SECURITY DEFINER')
 FROM pg_proc AS p WHERE p.pronamespace = 'fence'::regnamespace AND NOT p.prosecdef

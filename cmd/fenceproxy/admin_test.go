@@ -1,0 +1,219 @@
+package main_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/fenceproxy/fenceproxy/internal/fence"
+	"github.com/fenceproxy/fenceproxy/internal/testenv"
+)
+
+// syncBuffer is a log the process writes while the test reads it.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// httpGet returns the status and body of GET url (0 when it cannot connect).
+func httpGet(t *testing.T, url string) (int, string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return 0, err.Error()
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
+// eventually polls cond (every 100 ms, for up to a minute: the machine may be loaded).
+func eventually(t *testing.T, what string, cond func() (bool, string)) {
+	t.Helper()
+	deadline := time.Now().Add(time.Minute)
+	for {
+		ok, last := cond()
+		if ok {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: not within a minute; last: %s", what, last)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// TestServeAdminAndReload runs the real binary with an admin listener: /healthz, /readyz,
+// /status and the leadership metrics follow a session and a stale refusal; SIGHUP applies a
+// new resource and limit from the configuration file while an open session keeps working;
+// and /readyz says 503 while PostgreSQL is down, 200 again once it is back.
+func TestServeAdminAndReload(t *testing.T) {
+	bin := buildBinary(t)
+	pg := testenv.StartPostgres(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	keyFile := filepath.Join(t.TempDir(), "proxy.key")
+	if out, err := exec.CommandContext(ctx, bin, "migrate", "--database", pg.AdminURL(), "--key-file", keyFile).CombinedOutput(); err != nil {
+		t.Fatalf("migrate: %v\n%s", err, out)
+	}
+	addr, admin := freeAddr(t), freeAddr(t)
+	cfgFile := filepath.Join(t.TempDir(), "fenceproxy.json")
+	writeConf := func(conf map[string]any) {
+		b, _ := json.Marshal(conf)
+		if err := os.WriteFile(cfgFile, b, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	conf := map[string]any{"resource": []string{"billing"}, "key-file": keyFile, "max-clients": 50,
+		"control-database": pg.AdminURL(), "upstream": "postgres://" + net.JoinHostPort(pg.Host, strconv.Itoa(pg.Port))}
+	writeConf(conf)
+	cmd := exec.CommandContext(ctx, bin, "serve", "--config", cfgFile, "--listen", addr, "--admin-listen", admin)
+	logs := &syncBuffer{}
+	cmd.Stderr = logs
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	defer func() {
+		cmd.Process.Signal(syscall.SIGTERM) //nolint:errcheck
+		select {
+		case <-exited:
+		case <-time.After(time.Minute):
+			cmd.Process.Kill() //nolint:errcheck
+		}
+	}()
+	base := "http://" + admin
+	get := func(path string) (int, string) { return httpGet(t, base+path) }
+	eventually(t, "healthz", func() (bool, string) { c, b := get("/healthz"); return c == 200, b })
+	eventually(t, "readyz", func() (bool, string) { c, b := get("/readyz"); return c == 200, b })
+
+	url := "postgres://postgres:postgres@" + addr + "/postgres?sslmode=disable"
+	conn, err := pgx.Connect(ctx, url+"&fence.resource=billing&fence.token=3")
+	if err != nil {
+		t.Fatalf("fenced session: %v\n%s", err, logs.String())
+	}
+	defer conn.Close(context.Background())
+	_, err = pgx.Connect(ctx, url+"&fence.resource=billing&fence.token=2")
+	if pe := (*pgconn.PgError)(nil); !errors.As(err, &pe) || pe.Code != fence.CodeStale {
+		t.Fatalf("a lower token: %v, want %s", err, fence.CodeStale)
+	}
+	var st struct {
+		Ready     bool
+		Resources []struct {
+			Resource string
+			Token    int64
+			Sessions map[string]int
+		}
+		Refusals []struct {
+			Resource string
+			Token    int64
+			SQLState string
+		}
+	}
+	code, body := get("/status")
+	if err := json.Unmarshal([]byte(body), &st); code != 200 || err != nil {
+		t.Fatalf("/status: %d %v\n%s", code, err, body)
+	}
+	if !st.Ready || len(st.Resources) != 1 || st.Resources[0].Resource != "billing" || st.Resources[0].Token != 3 ||
+		st.Resources[0].Sessions["3"] != 1 || len(st.Refusals) != 1 || st.Refusals[0].Token != 2 || st.Refusals[0].SQLState != fence.CodeStale {
+		t.Fatalf("/status:\n%s", body)
+	}
+	_, metrics := get("/metrics")
+	for _, want := range []string{`fenceproxy_leader_token{resource="billing"} 3`, `fenceproxy_resource_sessions{resource="billing",token="3"} 1`,
+		`fenceproxy_resource_refusals_total{resource="billing",sqlstate="ZF001"} 1`, `fenceproxy_leader_changes_total{resource="billing"} 0`} {
+		if !strings.Contains(metrics, want) {
+			t.Errorf("/metrics lacks %s", want)
+		}
+	}
+
+	// The status page, and the history it shows (the control database's fence.history).
+	if code, page := get("/"); code != 200 || !strings.Contains(page, "<title>fenceproxy status</title>") {
+		t.Errorf("status page: %d\n%s", code, page)
+	}
+	code, body = get("/history?resource=billing")
+	var hist []fence.HistoryEntry
+	if err := json.Unmarshal([]byte(body), &hist); code != 200 || err != nil || len(hist) != 1 || hist[0].Token != 3 || hist[0].Resource != "billing" {
+		t.Errorf("/history: %d %v\n%s", code, err, body)
+	}
+
+	// SIGHUP: a new resource from the file; the open session goes on.
+	if _, err := pgx.Connect(ctx, url+"&fence.resource=ledger&fence.token=1"); err == nil {
+		t.Fatal("resource ledger admitted before it was configured")
+	}
+	conf["resource"] = []string{"billing", "ledger"}
+	conf["max-clients"] = 60
+	conf["log-level"] = "debug"
+	writeConf(conf)
+	if err := cmd.Process.Signal(syscall.SIGHUP); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "reload logged", func() (bool, string) {
+		return strings.Contains(logs.String(), "reloaded (SIGHUP)"), logs.String()
+	})
+	for _, want := range []string{"resources [billing ledger]", "max-clients 60 (was 50)", "log-level debug (was info)"} {
+		if !strings.Contains(logs.String(), want) {
+			t.Errorf("reload log lacks %q:\n%s", want, logs.String())
+		}
+	}
+	ledger, err := pgx.Connect(ctx, url+"&fence.resource=ledger&fence.token=1")
+	if err != nil {
+		t.Fatalf("resource ledger after the reload: %v\n%s", err, logs.String())
+	}
+	ledger.Close(ctx)
+	if _, err := conn.Exec(ctx, "CREATE TABLE after_reload (x int); INSERT INTO after_reload VALUES (1)"); err != nil {
+		t.Fatalf("the session opened before the reload: %v", err)
+	}
+	// A change that needs a restart is said, not applied.
+	conf["connect-timeout"] = "3s"
+	writeConf(conf)
+	cmd.Process.Signal(syscall.SIGHUP) //nolint:errcheck
+	eventually(t, "restart-only change logged", func() (bool, string) {
+		return strings.Contains(logs.String(), "could not apply") && strings.Contains(logs.String(), "connect-timeout (needs a restart)"), logs.String()
+	})
+	if err := conn.Ping(ctx); err != nil {
+		t.Fatalf("the session after the second reload: %v", err)
+	}
+
+	// PostgreSQL down: not ready; back: ready again.
+	pg.Stop(t)
+	eventually(t, "readyz 503 with PostgreSQL stopped", func() (bool, string) {
+		c, b := get("/readyz")
+		return c == http.StatusServiceUnavailable && strings.Contains(b, "upstream unreachable"), b
+	})
+	if c, _ := get("/healthz"); c != 200 {
+		t.Errorf("healthz %d with PostgreSQL stopped: the process is alive", c)
+	}
+	pg.Start(t)
+	eventually(t, "readyz 200 with PostgreSQL back", func() (bool, string) { c, b := get("/readyz"); return c == 200, b })
+}

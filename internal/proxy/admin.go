@@ -1,0 +1,189 @@
+package proxy
+
+import (
+	"context"
+	_ "embed" // the status page
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/fenceproxy/fenceproxy/internal/fence"
+)
+
+// Status is what /status says of the proxy.
+type Status struct {
+	Ready     bool             `json:"ready"`
+	NotReady  []string         `json:"not_ready,omitempty"` // why not
+	Sessions  int              `json:"sessions"`            // client sessions open
+	Resources []ResourceStatus `json:"resources"`
+	Refusals  []Refusal        `json:"refusals"` // the most recent last
+}
+
+// ResourceStatus is one resource's leadership as this proxy knows it.
+type ResourceStatus struct {
+	Resource string `json:"resource"`
+	// Token is the highest token known to be admitted (0: none yet); Holder its holder when
+	// known (a Consul session).
+	Token      int64      `json:"token"`
+	Holder     string     `json:"holder,omitempty"`
+	AdmittedAt *time.Time `json:"admitted_at,omitempty"` // when this proxy learned of Token
+	Changes    int64      `json:"changes"`
+	Flapping   bool       `json:"flapping"`
+	Blocked    string     `json:"blocked,omitempty"` // why every session is refused
+	// Sessions counts the sessions open through this proxy, by token.
+	Sessions map[string]int `json:"sessions"`
+}
+
+// readyTimeout bounds each readiness check.
+const readyTimeout = 2 * time.Second
+
+// NotReady returns why the proxy should get no new clients, or nothing when it is ready:
+// the server is unreachable, the control database's listener is not synced (it may miss
+// raises), a Consul watch is not synchronised, or fencing is unavailable for a resource.
+func (s *Server) NotReady(ctx context.Context) []string {
+	var why []string
+	if s.draining.Load() {
+		why = append(why, "shutting down")
+	}
+	ctx, cancel := context.WithTimeout(ctx, readyTimeout)
+	defer cancel()
+	if c, err := s.dialUpstream(ctx); err != nil {
+		why = append(why, fmt.Sprintf("upstream unreachable: %v", err))
+	} else {
+		c.Close()
+	}
+	if s.control != nil && !s.listenSynced.Load() {
+		why = append(why, "control database listener not synced")
+	}
+	if g, ok := s.admit.(*Guard); ok {
+		for _, r := range g.unsynced() {
+			why = append(why, fmt.Sprintf("resource %s: Consul lock state not synchronised", r))
+		}
+	}
+	for _, name := range s.conf().names {
+		if fe := s.reg.Blocked(name); fe != nil && fe.Code == fence.CodeUnavailable {
+			why = append(why, fe.Message)
+		}
+	}
+	return why
+}
+
+// Status returns the proxy's status (NotReady included).
+func (s *Server) Status(ctx context.Context) Status {
+	st := Status{NotReady: s.NotReady(ctx), Refusals: s.lead.recentRefusals(), Resources: []ResourceStatus{}}
+	st.Ready = len(st.NotReady) == 0
+	s.mu.Lock()
+	st.Sessions = len(s.sessions)
+	s.mu.Unlock()
+	now := time.Now()
+	for _, l := range s.lead.leaders() {
+		r := ResourceStatus{Resource: l.Resource, Token: l.Token, Holder: l.Holder, Changes: l.Changes,
+			Flapping: s.lead.isFlapping(l.Resource, now), Sessions: map[string]int{}}
+		if !l.Since.IsZero() {
+			r.AdmittedAt = &l.Since
+		}
+		if l.Blocked != nil {
+			r.Blocked = l.Blocked.Message
+		}
+		for tok, n := range l.Sessions {
+			r.Sessions[fmt.Sprint(tok)] = n
+		}
+		st.Resources = append(st.Resources, r)
+	}
+	if st.Refusals == nil {
+		st.Refusals = []Refusal{}
+	}
+	return st
+}
+
+// statusPage is the status page: plain HTML and a script that reads /status and /history.
+//
+//go:embed ui/status.html
+var statusPage []byte
+
+// AdminMux returns the admin listener's handler: /healthz (the process answers), /readyz
+// (200 or 503 with the reasons), /status (JSON), /history (JSON, the control database's
+// fence.history), the status page at /, and metrics on /metrics.
+func (s *Server) AdminMux(metrics http.Handler) *http.ServeMux {
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /{$}", func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "text/html; charset=utf-8")
+		w.Write(statusPage) //nolint:errcheck // the client went away
+	})
+	mux.HandleFunc("GET /history", func(w http.ResponseWriter, r *http.Request) {
+		if s.control == nil {
+			writeJSON(w, http.StatusNotFound, map[string]string{"error": "no history: the proxy has no --control-database to read fence.history from"})
+			return
+		}
+		limit, err := strconv.Atoi(r.URL.Query().Get("limit"))
+		if err != nil || limit <= 0 {
+			limit = 100
+		}
+		ctx, cancel := context.WithTimeout(r.Context(), 5*time.Second)
+		defer cancel()
+		h, err := fence.ReadHistory(ctx, s.control, r.URL.Query().Get("resource"), min(limit, 1000))
+		if err != nil {
+			writeJSON(w, http.StatusServiceUnavailable, map[string]string{"error": err.Error()})
+			return
+		}
+		if h == nil {
+			h = []fence.HistoryEntry{}
+		}
+		writeJSON(w, http.StatusOK, h)
+	})
+	mux.Handle("GET /metrics", metrics)
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+		fmt.Fprintln(w, "ok")
+	})
+	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+		if why := s.NotReady(r.Context()); len(why) > 0 {
+			w.WriteHeader(http.StatusServiceUnavailable)
+			fmt.Fprintln(w, strings.Join(why, "\n"))
+			return
+		}
+		fmt.Fprintln(w, "ready")
+	})
+	mux.HandleFunc("GET /status", func(w http.ResponseWriter, r *http.Request) {
+		writeJSON(w, http.StatusOK, s.Status(r.Context()))
+	})
+	return mux
+}
+
+func writeJSON(w http.ResponseWriter, code int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Cache-Control", "no-store")
+	w.WriteHeader(code)
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	enc.Encode(v) //nolint:errcheck // the client went away
+}
+
+// unsynced returns the resources whose Consul lock state is not known now.
+func (g *Guard) unsynced() []string {
+	var out []string
+	for res, key := range g.keys {
+		if st, ok := g.watcher.State(key); !ok || !st.Known {
+			out = append(out, res)
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+// holder returns the Consul session holding resource's lock when its LockIndex is token.
+func (g *Guard) holder(resource string, token int64) string {
+	key, ok := g.keys[resource]
+	if !ok {
+		return ""
+	}
+	if st, ok := g.watcher.State(key); ok && st.Known && st.Held && int64(st.LockIndex) == token {
+		return st.Session
+	}
+	return ""
+}
