@@ -17,6 +17,9 @@ packages=(
   libtap-parser-sourcehandler-pgtap-perl # pg_prove
   pgbouncer                          # comparison in the benchmark
   python3-psycopg2                   # a second driver in the tests
+  python3-psycopg                    # psycopg 3, a driver in the tests
+  libpostgresql-jdbc-java            # pgjdbc, a driver in the tests
+  default-jdk-headless               # javac and java for the pgjdbc test program
   docker-compose                     # the demo's compose file
 )
 
