@@ -73,6 +73,21 @@ else
   say "installed ${#missing[@]} package(s)"
 fi
 
+# node-postgres for the driver tests (TestDrivers): npm ci from the lockfile next to the test
+# program; skipped when node_modules already matches the lockfile.
+node_dir=internal/proxy/testdata/drivers/node
+if cmp -s "$node_dir/package-lock.json" "$node_dir/node_modules/.deps-lock" 2>/dev/null; then
+  say "node-postgres: present"
+else
+  if ! command -v npm >/dev/null || ! command -v node >/dev/null; then
+    echo "deps: node and npm are not on PATH: install Node.js 20 with npm (the driver tests run node-postgres)" >&2
+    exit 1
+  fi
+  (cd "$node_dir" && npm ci --no-audit --no-fund --loglevel=error)
+  cp "$node_dir/package-lock.json" "$node_dir/node_modules/.deps-lock"
+  say "node-postgres: installed with npm ci ($(node --version))"
+fi
+
 if ! command -v go >/dev/null; then
   echo "deps: go is not on PATH: install the Go version go.mod names" >&2
   exit 1
