@@ -8,6 +8,8 @@
 
 import java.io.StringReader;
 import java.io.StringWriter;
+import java.net.URLEncoder;
+import java.nio.charset.StandardCharsets;
 import java.sql.Connection;
 import java.sql.DriverManager;
 import java.sql.PreparedStatement;
@@ -30,15 +32,22 @@ public class Client {
         return v == null ? "" : v;
     }
 
-    static Connection connect(String token) throws SQLException {
+    // connect passes the token in the options property, or with inURL in the URL's
+    // options parameter (both are pgjdbc's ways to pass startup options).
+    static Connection connect(String token, boolean inURL) throws SQLException {
         Properties p = new Properties();
         p.setProperty("user", env("PGUSER"));
         p.setProperty("prepareThreshold", "1"); // server-prepared from the first execution
         p.setProperty("connectTimeout", "60");
-        if (!token.isEmpty()) {
-            p.setProperty("options", "-c fence.resource=" + RESOURCE + " -c fence.token=" + token);
-        }
         String url = "jdbc:postgresql://" + env("PGHOST") + ":" + env("PGPORT") + "/" + env("PGDATABASE");
+        if (!token.isEmpty()) {
+            String options = "-c fence.resource=" + RESOURCE + " -c fence.token=" + token;
+            if (inURL) {
+                url += "?options=" + URLEncoder.encode(options, StandardCharsets.UTF_8).replace("+", "%20");
+            } else {
+                p.setProperty("options", options);
+            }
+        }
         return DriverManager.getConnection(url, p);
     }
 
@@ -67,7 +76,7 @@ public class Client {
     }
 
     public static void main(String[] args) throws Exception {
-        Connection conn = connect(TOKEN);
+        Connection conn = connect(TOKEN, false);
         check(one(conn, "SELECT 1") == 1, "SELECT 1");
         ok("connect");
 
@@ -118,7 +127,7 @@ public class Client {
         check(s.split("\n").length == 1000 && s.startsWith("1\tkept\n2\trow 2\n"), "COPY out");
         ok("copy");
 
-        Connection other = connect(TOKEN);
+        Connection other = connect(TOKEN, true);
         exec(conn, "LISTEN jdbc_chan");
         exec(other, "NOTIFY jdbc_chan, 'hello from jdbc'");
         PGNotification[] ns = pgc.getNotifications((int) DEADLINE_MS);
@@ -159,7 +168,7 @@ public class Client {
         if (!TOKEN.isEmpty()) {
             // A higher token admitted through another session makes this one
             // stale: its next statement fails with ZF001.
-            try (Connection higher = connect(String.valueOf(Long.parseLong(TOKEN) + 1))) {
+            try (Connection higher = connect(String.valueOf(Long.parseLong(TOKEN) + 1), false)) {
                 one(higher, "SELECT 1");
             }
             try {
