@@ -17,6 +17,9 @@ packages=(
   libtap-parser-sourcehandler-pgtap-perl # pg_prove
   pgbouncer                          # comparison in the benchmark
   python3-psycopg2                   # a second driver in the tests
+  python3-psycopg                    # psycopg 3, a driver in the tests
+  libpostgresql-jdbc-java            # pgjdbc, a driver in the tests
+  default-jdk-headless               # javac and java for the pgjdbc test program
   docker-compose                     # the demo's compose file
   prometheus                         # promtool checks the alert rules (its server is kept stopped)
   chromium                           # headless browser test of the status page
@@ -78,6 +81,21 @@ else
     esac
   done
   say "installed ${#missing[@]} package(s)"
+fi
+
+# node-postgres for the driver tests (TestDrivers): npm ci from the lockfile next to the test
+# program; skipped when node_modules already matches the lockfile.
+node_dir=internal/proxy/testdata/drivers/node
+if cmp -s "$node_dir/package-lock.json" "$node_dir/node_modules/.deps-lock" 2>/dev/null; then
+  say "node-postgres: present"
+else
+  if ! command -v npm >/dev/null || ! command -v node >/dev/null; then
+    echo "deps: node and npm are not on PATH: install Node.js 20 with npm (the driver tests run node-postgres)" >&2
+    exit 1
+  fi
+  (cd "$node_dir" && npm ci --no-audit --no-fund --loglevel=error)
+  cp "$node_dir/package-lock.json" "$node_dir/node_modules/.deps-lock"
+  say "node-postgres: installed with npm ci ($(node --version))"
 fi
 
 if ! command -v go >/dev/null; then

@@ -43,7 +43,9 @@ type LockCmd struct {
 	OnLost    string        `help:"After losing the lock and stopping the command: retry (campaign again) or exit." name:"on-lost" enum:"retry,exit" default:"retry" env:"FENCEPROXY_ON_LOST"`
 
 	// A fault injection hook of the chaos campaign, hidden from --help: see lease.OffsetFileClock.
-	ClockOffsetFile string `help:"Fault injection: shift the clock that the Consul session's keep-alive reads by the duration in this file, read at every reading (--store consul)." name:"clock-offset-file" hidden:""`
+	ClockOffsetFile string        `help:"Fault injection: shift the clock that the Consul session's keep-alive reads by the duration in this file, read at every reading (--store consul)." name:"clock-offset-file" hidden:""`
+	WatchdogFile    string        `help:"Tie leadership to progress: the command must touch this file (its path is in FENCE_WATCHDOG_FILE) at least every --watchdog-timeout, or it is stopped, the lease given up, and fenceproxy exits with status 124." name:"watchdog-file" type:"path" env:"FENCEPROXY_WATCHDOG_FILE"`
+	WatchdogTimeout time.Duration `help:"The longest time the command may go without touching --watchdog-file." name:"watchdog-timeout" env:"FENCEPROXY_WATCHDOG_TIMEOUT"`
 
 	Command []string `arg:"" passthrough:"" help:"Command to run, and its arguments (after --)."`
 }
@@ -55,6 +57,15 @@ func (c *LockCmd) Run(ctx context.Context, log *zap.Logger) error {
 	if len(command) > 0 && command[0] == "--" {
 		// kong's passthrough keeps the separator.
 		command = command[1:]
+	}
+	var watchdog *lease.Watchdog
+	switch {
+	case c.WatchdogFile != "" && c.WatchdogTimeout <= 0:
+		return errors.New("lock --watchdog-file needs --watchdog-timeout (> 0)")
+	case c.WatchdogFile == "" && c.WatchdogTimeout != 0:
+		return errors.New("lock --watchdog-timeout needs --watchdog-file")
+	case c.WatchdogFile != "":
+		watchdog = &lease.Watchdog{File: c.WatchdogFile, Timeout: c.WatchdogTimeout}
 	}
 	store, closeStore, err := c.store(log)
 	if err != nil {
@@ -68,6 +79,7 @@ func (c *LockCmd) Run(ctx context.Context, log *zap.Logger) error {
 		DatabaseURL: c.DatabaseURL,
 		Grace:       c.Grace,
 		OnLost:      c.OnLost,
+		Watchdog:    watchdog,
 		Logger:      log,
 	})
 }

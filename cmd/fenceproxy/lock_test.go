@@ -136,6 +136,33 @@ func TestLockPostgres(t *testing.T) {
 		}
 	})
 
+	t.Run("the watchdog stops a stuck command and gives up the lease", func(t *testing.T) {
+		dir := t.TempDir()
+		ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
+		defer cancel()
+		cmd := exec.CommandContext(ctx, bin, "lock", "--store", "postgres", "--database", admin,
+			"--resource", "watched", "--holder", "stuck", "--grace", "2s",
+			"--watchdog-file", filepath.Join(dir, "progress"), "--watchdog-timeout", "1s",
+			"--", "/bin/sh", "-c", `touch "$FENCE_WATCHDOG_FILE"; exec sleep 600`)
+		cmd.Env = env
+		out, err := cmd.CombinedOutput()
+		var ee *exec.ExitError
+		if !errors.As(err, &ee) || ee.ExitCode() != 124 {
+			t.Fatalf("fenceproxy lock with a stuck command: %v, want exit status 124\n%s", err, out)
+		}
+		if !strings.Contains(string(out), "watchdog: the child made no progress") {
+			t.Errorf("no watchdog log line:\n%s", out)
+		}
+		var holder *string
+		if err := conn.QueryRow(t.Context(), "SELECT holder FROM fence.leases WHERE resource = 'watched'").Scan(&holder); err != nil || holder != nil {
+			t.Errorf("lease holder after the watchdog fired: %v %v, want released", holder, err)
+		}
+		if out, err := exec.Command(bin, "lock", "--store", "postgres", "--database", admin, "--resource", "watched",
+			"--watchdog-file", filepath.Join(dir, "progress"), "--", "true").CombinedOutput(); err == nil || !strings.Contains(string(out), "needs --watchdog-timeout") {
+			t.Errorf("--watchdog-file without --watchdog-timeout: %v\n%s", err, out)
+		}
+	})
+
 	t.Run("a database without the lease fails at once", func(t *testing.T) {
 		pg.Exec(t, "CREATE DATABASE bare")
 		bare := pg.URLWithPassword(testenv.AdminUser, testenv.AdminPassword, "bare")

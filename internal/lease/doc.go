@@ -22,7 +22,8 @@
 //     ErrRegression, ErrSessionMismatch) that the proxy maps to its SQLSTATEs.
 //   - NewSession, Acquire, Lock: campaigning on Consul, in the spirit of etcd's concurrency
 //     package: contexts everywhere, Done channels, and the token exposed (Lock.Token).
-//   - RunLocked: runs a command as the leader of a resource (`fenceproxy lock`).
+//   - RunLocked: runs a command as the leader of a resource (`fenceproxy lock`), with an
+//     optional Watchdog that gives the lease up when the command stops making progress.
 //
 // It owns talking to the lease stores and nothing else: of PostgreSQL it only calls the
 // lease functions of the fence schema (never a bind or a raise: those are the proxy's), and

@@ -35,6 +35,8 @@ const (
 	EnvSession     = "FENCE_SESSION"
 	EnvKey         = "FENCE_KEY"
 	EnvDatabaseURL = "DATABASE_URL"
+	// EnvWatchdogFile is the file the child touches to show progress (RunConfig.Watchdog).
+	EnvWatchdogFile = "FENCE_WATCHDOG_FILE"
 )
 
 // RunConfig configures RunLocked. Zero values mean the defaults.
@@ -50,6 +52,10 @@ type RunConfig struct {
 
 	Grace  time.Duration // SIGTERM to SIGKILL; default DefaultGrace
 	OnLost string        // OnLostRetry (default) or OnLostExit
+
+	// Watchdog, when not nil, stops the child and gives up the lease when the child stops
+	// touching a file (see Watchdog); the child gets the file's path as FENCE_WATCHDOG_FILE.
+	Watchdog *Watchdog
 
 	// Env is the child's base environment; nil means os.Environ(). The FENCE_* variables
 	// and DATABASE_URL replace any of the same name.
@@ -150,6 +156,11 @@ func (cfg *RunConfig) validate() error {
 	default:
 		return fmt.Errorf("lease: RunLocked: OnLost %q: want %q or %q", cfg.OnLost, OnLostRetry, OnLostExit)
 	}
+	if cfg.Watchdog != nil {
+		if err := cfg.Watchdog.validate(); err != nil {
+			return err
+		}
+	}
 	if cfg.DatabaseURL != "" {
 		if _, err := FencedURL(cfg.DatabaseURL, cfg.Resource, 1, ""); err != nil {
 			return fmt.Errorf("lease: RunLocked: %w", err)
@@ -191,6 +202,15 @@ func supervise(ctx context.Context, cfg *RunConfig, lock Lease, log *zap.Logger)
 	// which a process the child left running may hold open: the child's exit must
 	// still be seen (and the leftovers stopped) within a second.
 	cmd.WaitDelay = time.Second
+	var stalled <-chan struct{} // nil: no watchdog, never ready
+	if cfg.Watchdog != nil {
+		wctx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		if stalled, err = cfg.Watchdog.arm(wctx); err != nil {
+			release(lock, log)
+			return false, err
+		}
+	}
 	if err := cmd.Start(); err != nil {
 		release(lock, log)
 		return false, fmt.Errorf("lease: start %s: %w", cfg.Command[0], err)
@@ -215,6 +235,13 @@ func supervise(ctx context.Context, cfg *RunConfig, lock Lease, log *zap.Logger)
 		log.Warn("lost leadership: stopping child", zap.Error(lock.Err()))
 		stopGroup(pgid, exited, nil, cfg.Grace, log)
 		return true, nil
+	case <-stalled:
+		// Stopped before the release, as after an exit: no new leader next to it.
+		log.Error("watchdog: the child made no progress: stopping it and giving up the lease",
+			zap.String("file", cfg.Watchdog.File), zap.Duration("timeout", cfg.Watchdog.Timeout))
+		werr := stopGroup(pgid, exited, nil, cfg.Grace, log)
+		release(lock, log)
+		return false, &WatchdogError{File: cfg.Watchdog.File, Timeout: cfg.Watchdog.Timeout, Exit: exitResult(werr)}
 	case <-ctx.Done():
 		log.Info("stopping child", zap.Error(ctx.Err()))
 		werr := stopGroup(pgid, exited, nil, cfg.Grace, log)
@@ -326,6 +353,9 @@ func childEnv(cfg *RunConfig, lock Lease) ([]string, error) {
 		}
 		set[EnvDatabaseURL] = u
 	}
+	if cfg.Watchdog != nil {
+		set[EnvWatchdogFile] = cfg.Watchdog.File
+	}
 	env := make([]string, 0, len(cfg.Env)+len(set))
 	for _, kv := range cfg.Env {
 		name, _, _ := strings.Cut(kv, "=")
@@ -333,7 +363,7 @@ func childEnv(cfg *RunConfig, lock Lease) ([]string, error) {
 			env = append(env, kv)
 		}
 	}
-	for _, name := range []string{EnvStore, EnvResource, EnvToken, EnvSession, EnvKey, EnvDatabaseURL} {
+	for _, name := range []string{EnvStore, EnvResource, EnvToken, EnvSession, EnvKey, EnvDatabaseURL, EnvWatchdogFile} {
 		if v, ok := set[name]; ok {
 			env = append(env, name+"="+v)
 		}

@@ -508,9 +508,13 @@ func testNoClientTLS(t *testing.T, s *suite) {
 			t.Fatal(err)
 		}
 	}
-	// GSSENCRequest with bytes pipelined behind it.
+	// GSSENCRequest with bytes pipelined behind it: 'N', then the error,
+	// as PostgreSQL does when it has no encryption to offer.
 	r := dialRaw(t, proxyAddr(p))
 	r.writeRaw(append(requestPacket(wire.GSSENCRequestCode), startupPacket(wire.ProtocolVersion30, "user", "postgres")...))
+	if b, err := r.readByte(); err != nil || b != 'N' {
+		t.Fatalf("answer to the GSSENCRequest: %q %v", b, err)
+	}
 	msgs, err := r.readAll()
 	if e := errorOf(msgs); e == nil || e.Code != "08P01" || !isClosed(err) {
 		t.Fatalf("want a 08P01 error and a closed connection, got %+v, %v", msgs, err)

@@ -262,8 +262,10 @@ func testLoginTimeout(t *testing.T, s *suite) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
-			r := dialRaw(t, proxyAddr(p))
+			// Before the dial: the proxy's clock starts at its accept,
+			// which a loaded machine may run well before dialRaw returns.
 			start := time.Now()
+			r := dialRaw(t, proxyAddr(p))
 			tt.start(r)
 			msgs, err := r.readAll()
 			took := time.Since(start)

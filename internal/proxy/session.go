@@ -94,6 +94,9 @@ const (
 type fatal struct {
 	resp *pgproto3.ErrorResponse
 	err  error
+	// protocol2: the client asked for protocol 2 and reads its errors in
+	// that format.
+	protocol2 bool
 }
 
 func (f *fatal) Error() string { return f.resp.Message }
@@ -132,7 +135,11 @@ func (s *Server) handle(ctx context.Context, conn net.Conn) {
 			sess.log.Info("session refused", zap.String("sqlstate", f.resp.Code), zap.String("reason", f.resp.Message))
 			// sess.client, not conn: after an SSLRequest the error goes over TLS.
 			sess.client.SetWriteDeadline(time.Now().Add(time.Second)) //nolint:errcheck
-			sess.client.Write(wire.AppendError(nil, f.resp))          //nolint:errcheck // the connection closes anyway
+			msg := wire.AppendError(nil, f.resp)
+			if f.protocol2 {
+				msg = wire.AppendErrorV2(nil, f.resp.Severity, f.resp.Message)
+			}
+			sess.client.Write(msg) //nolint:errcheck // the connection closes anyway
 		} else if !errors.Is(err, errCancelHandled) && !errors.Is(err, io.EOF) {
 			s.metrics.sessionOutcome("error")
 			sess.log.Debug("session ended during startup", zap.Error(err))
@@ -221,13 +228,22 @@ func (sess *session) serverConn() net.Conn {
 func (sess *session) login(ctx context.Context, clients int64) error {
 	s := sess.srv
 	br := bufio.NewReaderSize(sess.client, bufSize)
-	tlsDone := false
+	// As PostgreSQL's ProcessStartupPacket: one SSLRequest and one
+	// GSSENCRequest at most, a GSSENCRequest not after TLS.
+	sslDone, gssDone := false, false
 	var st *wire.Startup
 	for st == nil {
 		p, err := wire.ReadStartup(br)
 		if err != nil {
+			if errors.Is(err, wire.ErrStartupLength) {
+				// PostgreSQL closes without a word here (a client that
+				// connects and ends at once writes a Terminate first).
+				return fmt.Errorf("closed without an answer: %w", err)
+			}
 			if errors.Is(err, wire.ErrUnsupportedProtocol) {
-				return fatalf(wire.CodeFeatureNotSupported, "%v", err)
+				f := fatalf(wire.CodeFeatureNotSupported, "%v", err)
+				f.protocol2 = errors.Is(err, wire.ErrProtocol2)
+				return f
 			}
 			if errors.Is(err, wire.ErrStartup) {
 				return fatalf(wire.CodeProtocolViolation, "%v", err)
@@ -236,13 +252,24 @@ func (sess *session) login(ctx context.Context, clients int64) error {
 		}
 		switch p.Kind {
 		case wire.KindSSLRequest, wire.KindGSSENCRequest:
+			if p.Kind == wire.KindSSLRequest && sslDone || p.Kind == wire.KindGSSENCRequest && gssDone {
+				// PostgreSQL reads a second request as a protocol version.
+				return fatalf(wire.CodeFeatureNotSupported, "%v: a second %s", wire.ErrUnsupportedProtocol, p.Kind)
+			}
 			// Bytes sent before our one-byte answer would be read as
 			// plaintext after the TLS switch: refuse them, as PostgreSQL
-			// and PgBouncer do.
-			if br.Buffered() > 0 {
-				return fatalf(wire.CodeProtocolViolation, "received unencrypted data after %s", p.Kind)
+			// and PgBouncer do (PostgreSQL after its answer when it has
+			// no TLS to offer).
+			unencrypted := br.Buffered() > 0
+			if p.Kind == wire.KindSSLRequest {
+				sslDone = true
+			} else {
+				gssDone = true
 			}
-			if p.Kind == wire.KindSSLRequest && s.cfg.clientTLS != nil && !tlsDone {
+			if p.Kind == wire.KindSSLRequest && s.cfg.clientTLS != nil {
+				if unencrypted {
+					return fatalf(wire.CodeProtocolViolation, "received unencrypted data after %s", p.Kind)
+				}
 				if _, err := sess.client.Write([]byte{'S'}); err != nil {
 					return err
 				}
@@ -253,11 +280,14 @@ func (sess *session) login(ctx context.Context, clients int64) error {
 				sess.client = tc
 				sess.clientTLS = true
 				br = bufio.NewReaderSize(tc, bufSize)
-				tlsDone = true
+				gssDone = true
 				continue
 			}
 			if _, err := sess.client.Write([]byte{'N'}); err != nil {
 				return err
+			}
+			if unencrypted {
+				return fatalf(wire.CodeProtocolViolation, "received unencrypted data after %s", p.Kind)
 			}
 		case wire.KindCancelRequest:
 			if err := s.forwardCancel(ctx, p); err != nil {

@@ -35,6 +35,17 @@ func AppendError(dst []byte, e *pgproto3.ErrorResponse) []byte {
 	return out
 }
 
+// AppendErrorV2 appends an error in protocol 2's format, the one a client
+// that asked for protocol 2 reads: 'E', then "SEVERITY:  message\n" and a
+// NUL, without a length (as PostgreSQL's send_message_to_frontend writes it).
+func AppendErrorV2(dst []byte, severity, message string) []byte {
+	dst = append(dst, 'E')
+	dst = append(dst, severity...)
+	dst = append(dst, ":  "...)
+	dst = append(dst, message...)
+	return append(dst, '\n', 0)
+}
+
 // DecodeError decodes an ErrorResponse or NoticeResponse body.
 func DecodeError(body []byte) (*pgproto3.ErrorResponse, error) {
 	var e pgproto3.ErrorResponse

@@ -69,9 +69,31 @@ type Startup struct {
 // ErrStartup is wrapped by every error about a malformed first packet.
 var ErrStartup = errors.New("invalid startup packet")
 
+// ErrStartupLength is wrapped (with ErrStartup) by the errors about a first
+// packet's framing: a length out of range, a packet cut short, a
+// CancelRequest of the wrong size. PostgreSQL only logs these and closes the
+// connection without a word (a client that connects and ends before its
+// startup, as node-postgres does, sends a Terminate here), unlike a
+// malformed parameter list, which it answers with a FATAL 08P01.
+var ErrStartupLength = errors.New("invalid length of startup packet")
+
 // ErrUnsupportedProtocol is wrapped (with ErrStartup) by the error for a
 // protocol version other than 3.x; PostgreSQL reports it as 0A000.
 var ErrUnsupportedProtocol = errors.New("unsupported frontend protocol")
+
+// ErrProtocol2 is wrapped (with ErrUnsupportedProtocol) by the error for a
+// version below 3.0: such a client reads errors in protocol 2's format
+// (AppendErrorV2), which PostgreSQL still answers it in.
+var ErrProtocol2 = errors.New("protocol 2")
+
+// startupError wraps several sentinels under one message.
+type startupError struct {
+	msg  string
+	errs []error
+}
+
+func (e *startupError) Error() string   { return e.msg }
+func (e *startupError) Unwrap() []error { return e.errs }
 
 func startupErr(format string, args ...any) error {
 	return fmt.Errorf("%w: %s", ErrStartup, fmt.Sprintf(format, args...))
@@ -87,11 +109,11 @@ func ReadStartup(r io.Reader) (*Startup, error) {
 	}
 	n := binary.BigEndian.Uint32(hdr[:])
 	if n < 8 || n > MaxStartupPacketLen {
-		return nil, startupErr("length %d out of range [8, %d]", n, MaxStartupPacketLen)
+		return nil, fmt.Errorf("%w: %w: %d out of range [8, %d]", ErrStartup, ErrStartupLength, n, MaxStartupPacketLen)
 	}
 	body := make([]byte, n-4)
 	if _, err := io.ReadFull(r, body); err != nil {
-		return nil, fmt.Errorf("%w: truncated: %w", ErrStartup, err)
+		return nil, fmt.Errorf("%w: %w: truncated: %w", ErrStartup, ErrStartupLength, err)
 	}
 	return ParseStartup(body)
 }
@@ -105,9 +127,8 @@ func ParseStartup(body []byte) (*Startup, error) {
 	rest := body[4:]
 	switch code {
 	case SSLRequestCode, GSSENCRequestCode:
-		if len(rest) != 0 {
-			return nil, startupErr("%d unexpected bytes after request code", len(rest))
-		}
+		// Bytes after the code are part of the packet and ignored, as
+		// PostgreSQL 15 ignores them.
 		if code == SSLRequestCode {
 			return &Startup{Kind: KindSSLRequest}, nil
 		}
@@ -116,13 +137,16 @@ func ParseStartup(body []byte) (*Startup, error) {
 		// 4 bytes of process ID, then the key: 4 bytes in protocol 3.0, up
 		// to 256 in 3.2.
 		if len(rest) < 8 || len(rest) > 4+256 {
-			return nil, startupErr("cancel request of %d bytes", len(body))
+			return nil, fmt.Errorf("%w: %w: cancel request of %d bytes", ErrStartup, ErrStartupLength, len(body))
 		}
 		return &Startup{
 			Kind:      KindCancelRequest,
 			ProcessID: binary.BigEndian.Uint32(rest),
 			SecretKey: append([]byte(nil), rest[4:]...),
 		}, nil
+	}
+	if code>>16 < 3 {
+		return nil, &startupError{fmt.Sprintf("unsupported frontend protocol %d.%d: server supports 3.0 to 3.2", code>>16, code&0xffff), []error{ErrStartup, ErrUnsupportedProtocol, ErrProtocol2}}
 	}
 	if code>>16 != 3 {
 		return nil, fmt.Errorf("%w: %w %d.%d: server supports 3.0 to 3.2", ErrStartup, ErrUnsupportedProtocol, code>>16, code&0xffff)

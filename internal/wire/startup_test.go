@@ -23,25 +23,26 @@ func TestReadStartup(t *testing.T) {
 		in      []byte
 		want    *wire.Startup
 		wantErr bool
+		framing bool // the error wraps ErrStartupLength
 	}{
-		{"ssl", packet(wire.SSLRequestCode), &wire.Startup{Kind: wire.KindSSLRequest}, false},
-		{"gss", packet(wire.GSSENCRequestCode), &wire.Startup{Kind: wire.KindGSSENCRequest}, false},
-		{"cancel", packet(wire.CancelRequestCode, 0, 0, 0, 7, 1, 2, 3, 4), &wire.Startup{Kind: wire.KindCancelRequest, ProcessID: 7, SecretKey: []byte{1, 2, 3, 4}}, false},
-		{"cancel 3.2 long key", packet(wire.CancelRequestCode, append([]byte{0, 0, 0, 9}, bytes.Repeat([]byte{5}, 32)...)...), &wire.Startup{Kind: wire.KindCancelRequest, ProcessID: 9, SecretKey: bytes.Repeat([]byte{5}, 32)}, false},
-		{"startup 3.0", packet(wire.ProtocolVersion30, params...), &wire.Startup{Kind: wire.KindStartup, Version: wire.ProtocolVersion30, Params: []wire.Param{{"user", "alice"}, {"database", "app"}, {"options", "-c fence.token=3"}}}, false},
-		{"startup 3.2", packet(3<<16|2, params...), &wire.Startup{Kind: wire.KindStartup, Version: 3<<16 | 2, Params: []wire.Param{{"user", "alice"}, {"database", "app"}, {"options", "-c fence.token=3"}}}, false},
-		{"startup no params", packet(wire.ProtocolVersion30, 0), &wire.Startup{Kind: wire.KindStartup, Version: wire.ProtocolVersion30}, false},
-		{"protocol 2", packet(2<<16, 0), nil, true},
-		{"no terminator", packet(wire.ProtocolVersion30, []byte("user\x00x")...), nil, true},
-		{"missing value", packet(wire.ProtocolVersion30, []byte("user\x00\x00")...), nil, true},
-		{"empty value", packet(wire.ProtocolVersion30, []byte("user\x00\x00\x00")...), &wire.Startup{Kind: wire.KindStartup, Version: wire.ProtocolVersion30, Params: []wire.Param{{"user", ""}}}, false},
-		{"name without value", packet(wire.ProtocolVersion30, []byte("user\x00alice\x00db\x00")...), nil, true},
-		{"ssl with trailing", packet(wire.SSLRequestCode, 1), nil, true},
-		{"short cancel", packet(wire.CancelRequestCode, 0, 0, 0, 1), nil, true},
-		{"too short", []byte{0, 0, 0, 4}, nil, true},
-		{"too long", binary.BigEndian.AppendUint32(nil, 20000), nil, true},
-		{"http", []byte("GET / HTTP/1.1\r\nHost: x\r\n\r\n"), nil, true},
-		{"truncated", []byte{0, 0, 0, 100, 0, 3, 0, 0}, nil, true},
+		{"ssl", packet(wire.SSLRequestCode), &wire.Startup{Kind: wire.KindSSLRequest}, false, false},
+		{"gss", packet(wire.GSSENCRequestCode), &wire.Startup{Kind: wire.KindGSSENCRequest}, false, false},
+		{"cancel", packet(wire.CancelRequestCode, 0, 0, 0, 7, 1, 2, 3, 4), &wire.Startup{Kind: wire.KindCancelRequest, ProcessID: 7, SecretKey: []byte{1, 2, 3, 4}}, false, false},
+		{"cancel 3.2 long key", packet(wire.CancelRequestCode, append([]byte{0, 0, 0, 9}, bytes.Repeat([]byte{5}, 32)...)...), &wire.Startup{Kind: wire.KindCancelRequest, ProcessID: 9, SecretKey: bytes.Repeat([]byte{5}, 32)}, false, false},
+		{"startup 3.0", packet(wire.ProtocolVersion30, params...), &wire.Startup{Kind: wire.KindStartup, Version: wire.ProtocolVersion30, Params: []wire.Param{{"user", "alice"}, {"database", "app"}, {"options", "-c fence.token=3"}}}, false, false},
+		{"startup 3.2", packet(3<<16|2, params...), &wire.Startup{Kind: wire.KindStartup, Version: 3<<16 | 2, Params: []wire.Param{{"user", "alice"}, {"database", "app"}, {"options", "-c fence.token=3"}}}, false, false},
+		{"startup no params", packet(wire.ProtocolVersion30, 0), &wire.Startup{Kind: wire.KindStartup, Version: wire.ProtocolVersion30}, false, false},
+		{"protocol 2", packet(2<<16, 0), nil, true, false},
+		{"no terminator", packet(wire.ProtocolVersion30, []byte("user\x00x")...), nil, true, false},
+		{"missing value", packet(wire.ProtocolVersion30, []byte("user\x00\x00")...), nil, true, false},
+		{"empty value", packet(wire.ProtocolVersion30, []byte("user\x00\x00\x00")...), &wire.Startup{Kind: wire.KindStartup, Version: wire.ProtocolVersion30, Params: []wire.Param{{"user", ""}}}, false, false},
+		{"name without value", packet(wire.ProtocolVersion30, []byte("user\x00alice\x00db\x00")...), nil, true, false},
+		{"ssl with trailing", packet(wire.SSLRequestCode, 1), &wire.Startup{Kind: wire.KindSSLRequest}, false, false},
+		{"short cancel", packet(wire.CancelRequestCode, 0, 0, 0, 1), nil, true, true},
+		{"too short", []byte{0, 0, 0, 4}, nil, true, true},
+		{"too long", binary.BigEndian.AppendUint32(nil, 20000), nil, true, true},
+		{"http", []byte("GET / HTTP/1.1\r\nHost: x\r\n\r\n"), nil, true, true},
+		{"truncated", []byte{0, 0, 0, 100, 0, 3, 0, 0}, nil, true, true},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -52,6 +53,9 @@ func TestReadStartup(t *testing.T) {
 				}
 				if !errors.Is(err, wire.ErrStartup) {
 					t.Fatalf("error %v does not wrap ErrStartup", err)
+				}
+				if errors.Is(err, wire.ErrStartupLength) != tt.framing {
+					t.Fatalf("error %v: wraps ErrStartupLength %v, want %v", err, !tt.framing, tt.framing)
 				}
 				return
 			}

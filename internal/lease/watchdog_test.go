@@ -1,0 +1,84 @@
+package lease_test
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/fenceproxy/fenceproxy/internal/lease"
+	"github.com/fenceproxy/fenceproxy/internal/testenv"
+)
+
+// TestWatchdog: a child that keeps touching its watchdog file keeps the PostgreSQL lease
+// past the watchdog's timeout; one that stops is stopped, the lease released, and
+// RunLocked says why with exit code 124.
+func TestWatchdog(t *testing.T) {
+	t.Parallel()
+	_, url := leaseDB(t)
+	conn := testenv.Connect(t, url)
+	run := func(t *testing.T, resource, script string, timeout time.Duration) (string, error) {
+		dir := t.TempDir()
+		cfg := lease.RunConfig{
+			Store:    &lease.PostgresStore{URL: url, TTL: 10 * time.Second, Holder: "watched"},
+			Resource: resource,
+			Command:  []string{"/bin/sh", "-c", script},
+			Env:      []string{"PATH=" + os.Getenv("PATH"), "DIR=" + dir},
+			Grace:    5 * time.Second,
+			Watchdog: &lease.Watchdog{File: filepath.Join(dir, "progress"), Timeout: timeout},
+		}
+		return dir, result(t, runLocked(t, testCtx(t), cfg), 2*time.Minute)
+	}
+
+	t.Run("progress keeps the lease", func(t *testing.T) {
+		t.Parallel()
+		// 30 touches 0.2 s apart: twice the timeout and more, never 3 s without one.
+		dir, err := run(t, "watched-busy", `i=0; while [ $i -lt 30 ]; do touch "$FENCE_WATCHDOG_FILE"; sleep 0.2; i=$((i+1)); done; echo done > "$DIR/done"`, 3*time.Second)
+		if err != nil {
+			t.Fatalf("RunLocked: %v, want nil", err)
+		}
+		if _, err := os.Stat(filepath.Join(dir, "done")); err != nil {
+			t.Fatalf("the child did not finish: %v", err)
+		}
+	})
+
+	t.Run("no progress: child stopped, lease released", func(t *testing.T) {
+		t.Parallel()
+		dir, err := run(t, "watched-stuck", `touch "$FENCE_WATCHDOG_FILE"; echo $$ > "$DIR/pid"; exec sleep 600`, time.Second)
+		var we *lease.WatchdogError
+		if !errors.As(err, &we) {
+			t.Fatalf("RunLocked: %v, want a *WatchdogError", err)
+		}
+		var ec interface{ ExitCode() int }
+		if !errors.As(err, &ec) || ec.ExitCode() != lease.WatchdogExitCode || lease.WatchdogExitCode != 124 {
+			t.Errorf("exit code of %v: want 124", err)
+		}
+		var child *lease.ExitError
+		if !errors.As(we.Exit, &child) || child.Code != 128+15 {
+			t.Errorf("the child's result %v: want ended by SIGTERM (143)", we.Exit)
+		}
+		if !strings.Contains(err.Error(), "progress not touched for 1s") {
+			t.Errorf("message %q", err)
+		}
+		b, _ := os.ReadFile(filepath.Join(dir, "pid"))
+		if pid, perr := strconv.Atoi(strings.TrimSpace(string(b))); perr != nil || alive(pid) {
+			t.Errorf("child pid %q: still running or never started (%v)", b, perr)
+		}
+		if r := readLease(t, conn, "watched-stuck"); r.live || r.holder != nil {
+			t.Errorf("lease row after the watchdog fired: %+v, want released", r)
+		}
+	})
+
+	t.Run("invalid", func(t *testing.T) {
+		t.Parallel()
+		for _, w := range []lease.Watchdog{{File: "", Timeout: time.Second}, {File: "x", Timeout: 0}} {
+			err := lease.RunLocked(testCtx(t), lease.RunConfig{Store: &lease.PostgresStore{URL: url}, Resource: "r", Command: []string{"true"}, Watchdog: &w})
+			if err == nil || !strings.Contains(err.Error(), "Watchdog") {
+				t.Errorf("%+v: %v, want a configuration error", w, err)
+			}
+		}
+	})
+}
