@@ -146,7 +146,7 @@ COMMENT ON FUNCTION fence.consul_regress(text, bigint, text, text) IS
 REVOKE ALL ON FUNCTION fence.consul_admit(text, bigint, text, text), fence.consul_regress(text, bigint, text, text) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION fence.consul_admit(text, bigint, text, text), fence.consul_regress(text, bigint, text, text) TO PUBLIC;
 
--- fence.reset: version 4's, and it forgets the resource's Consul row (C1: the one way out). A
+-- fence.reset: version 6's (which records the reset in fence.history), and it forgets the resource's Consul row (C1: the one way out). A
 -- proxy that sees the reset's notification ('<resource> <token> reset') starts its Consul
 -- history of the resource afresh.
 -- +goose StatementBegin
@@ -182,6 +182,7 @@ BEGIN
         PERFORM fence.end_stale(p_resource, p_token, interval '5 seconds');
     END IF;
     UPDATE fence.tokens AS t SET token = p_token, updated_at = now() WHERE t.resource = p_resource;
+    PERFORM fence.record_raise(p_resource, CASE WHEN created THEN NULL ELSE previous END, p_token, true); -- (H1, H2)
     DELETE FROM fence.consul_tokens AS c WHERE c.resource = p_resource; -- (C1)
     PERFORM fence.notify(p_resource || ' ' || p_token || ' reset');
     IF current_setting('synchronous_commit') = 'off' THEN -- (P7)
@@ -228,6 +229,7 @@ BEGIN
         PERFORM fence.end_stale(p_resource, p_token, interval '5 seconds');
     END IF;
     UPDATE fence.tokens AS t SET token = p_token, updated_at = now() WHERE t.resource = p_resource;
+    PERFORM fence.record_raise(p_resource, CASE WHEN created THEN NULL ELSE previous END, p_token, true); -- (H1, H2)
     PERFORM fence.notify(p_resource || ' ' || p_token || ' reset');
     IF current_setting('synchronous_commit') = 'off' THEN -- (P7)
         PERFORM set_config('synchronous_commit', 'local', true);

@@ -523,9 +523,11 @@ func (sess *session) toClient(typ byte, body []byte, flush bool) error {
 // whatever the session's defaults (default_transaction_isolation or _read_only
 // in the startup options: fence.bind refuses other isolation levels, and a
 // read-only default would refuse the raise), and without the role's or the
-// client's statement and lock timeouts (a bind that raises waits for the stale
-// backends to exit, within the raise's own bound and the login timeout).
-const bindStart = "BEGIN ISOLATION LEVEL READ COMMITTED READ WRITE; SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0"
+// client's statement, lock and idle-in-transaction timeouts (a bind that raises
+// waits for the stale backends to exit, within the raise's own bound and the
+// login timeout; a role or database setting of idle_in_transaction_session_timeout
+// ended the bind's transaction between its messages on a loaded server).
+const bindStart = "BEGIN ISOLATION LEVEL READ COMMITTED READ WRITE; SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0; SET LOCAL idle_in_transaction_session_timeout = 0"
 
 // bind binds a fenced session's backend to its token (fence.bind, which
 // raises the token first when it is higher, ending the backends bound to lower

@@ -539,7 +539,7 @@ func TestBindIgnoresRoleTimeouts(t *testing.T) {
 	t.Parallel()
 	pg, admin := fencedDB(t)
 	p := fencedProxy(t, pg)
-	for i, setting := range []string{"statement_timeout", "lock_timeout"} {
+	for i, setting := range []string{"statement_timeout", "lock_timeout", "idle_in_transaction_session_timeout"} {
 		t.Run(setting, func(t *testing.T) {
 			mustExec(t, admin, "ALTER ROLE app SET "+setting+" = '50ms'")
 			defer mustExec(t, admin, "ALTER ROLE app RESET "+setting)
