@@ -1,5 +1,5 @@
 # fenceproxy: `make test` is what CI runs (.ci/run).
-.PHONY: all deps build test fmt fmt-check vet sqltest fuzz gotest gen-long chaos demo bench bench-quick psycopg-suite clean
+.PHONY: all deps build test fmt fmt-check vet sqltest fuzz gotest gen-long chaos demo bench psycopg-suite clean
 # Prerequisites are steps in order (deps before tests), also under make -j.
 .NOTPARALLEL:
 
@@ -79,11 +79,6 @@ demo: deps build
 
 bench: deps build
 	bash bench/bench.sh
-
-# A quick check of the benchmark (one round, 8 clients, no raise, 100 idle sessions): minutes,
-# not the hour of `make bench`; its figures are not for quoting.
-bench-quick: deps build
-	BENCH_CLIENTS=8 BENCH_RUNS=1 BENCH_SECONDS=5 BENCH_WARMUP=1 BENCH_RAISE_STALE= BENCH_IDLE_SESSIONS=100 bash bench/bench.sh
 
 # psycopg 3's own test suite (Debian's python3-psycopg and its version's tests) directly,
 # through the proxy unfenced and through it fenced; fails if a test passes only directly.

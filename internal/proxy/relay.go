@@ -2,7 +2,6 @@ package proxy
 
 import (
 	"context"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -387,102 +386,68 @@ func goingAway(err error) bool {
 
 // ---------------------------------------------------------------------
 // server -> client
-//
-// What a round trip costs is decided here and in clientToServer: the proxy's
-// CPU goes into system calls, so each direction reads a buffer's worth at a
-// time (Frames: one read for all the server sent so far) and writes what it
-// read in one write, straight from the read buffer (no copy into a writer's
-// buffer, no flush per message). It looks at the 5-byte headers only; the
-// bodies it decodes are a fenced session's ErrorResponses (is it the 57P01
-// of a raise?) and nothing else. Per run, not per message: one check of
-// ended and one hold of cwMu; mu only for a run that has ReadyForQuery in it.
-//
-// What stays: each wait for the peer costs a read that finds nothing
-// (EAGAIN) before Go's poller parks the goroutine. It cannot be skipped
-// through syscall.RawConn (wait first, then read): every Read resets the
-// poller's readiness first, so data that arrived before would be missed and
-// the session would hang. Only an event loop on level-triggered epoll (what
-// PgBouncer does) avoids it.
 
 func (sess *session) serverToClient() error {
-	fenced := sess.mode == modeFenced
 	for {
-		run, err := sess.sr.Frames()
+		if err := sess.flushClientIfIdle(); err != nil {
+			return err
+		}
+		typ, _, err := sess.sr.Next()
 		if err != nil {
 			return sess.serverReadError(err)
 		}
-		if run == nil || (fenced && run[0] == 'E') {
-			// One message on its own: a fenced session's ErrorResponse,
-			// or one larger than the buffer, streamed a buffer at a time.
-			typ, _, err := sess.sr.Next()
+		switch typ {
+		case 'Z':
+			body, err := sess.sr.Body()
 			if err != nil {
-				return sess.serverReadError(err)
+				return fmt.Errorf("%w: %w", errServerGone, err)
 			}
-			if fenced && typ == 'E' {
-				err = sess.relayServerError()
-			} else {
-				err = sess.copyClient()
+			if len(body) != 1 {
+				return fmt.Errorf("malformed ReadyForQuery")
 			}
-			if err != nil {
+			if err := sess.relayReady(body); err != nil {
 				return err
 			}
-			continue
-		}
-		n, ready, status, err := cutServerRun(run, fenced)
-		if err != nil {
-			return err
-		}
-		if err := sess.relayRun(run[:n], ready, status); err != nil {
-			return err
-		}
-		sess.sr.Consume(n)
-	}
-}
-
-// cutServerRun returns how much of run relayRun may write at once: all of
-// it, but for a fenced session only up to its next ErrorResponse, which
-// relayServerError looks into. It counts the ReadyForQuery messages in it
-// and returns the status of the last one.
-func cutServerRun(run []byte, fenced bool) (n, ready int, status byte, err error) {
-	for n < len(run) {
-		typ, l := run[n], int(binary.BigEndian.Uint32(run[n+1:]))
-		switch {
-		case typ == 'E' && fenced:
-			return n, ready, status, nil
-		case typ == 'Z':
-			if l != 5 {
-				return 0, 0, 0, fmt.Errorf("malformed ReadyForQuery")
+		case 'E':
+			if sess.mode != modeFenced {
+				if err := sess.copyClient(); err != nil {
+					return err
+				}
+				continue
 			}
-			ready++
-			status = run[n+5]
+			body, err := sess.sr.Body()
+			if err != nil {
+				return fmt.Errorf("%w: %w", errServerGone, err)
+			}
+			e, derr := wire.DecodeError(body)
+			if derr == nil && e.Code == wire.CodeAdminShutdown && e.Severity == wire.SeverityFatal {
+				// Maybe a raise ending this stale backend: relay's
+				// explainServerEnd decides what the client is told.
+				sess.serverFatal.Store(e)
+				return fmt.Errorf("%w: terminated by the server", errServerGone)
+			}
+			if derr == nil && e.Severity == wire.SeverityFatal {
+				sess.serverSaid.Store(true) // the end is not silent: explainServerEnd adds nothing
+			}
+			if err := sess.relayClient(typ, body); err != nil {
+				return err
+			}
+		default:
+			if err := sess.copyClient(); err != nil {
+				return err
+			}
 		}
-		n += 1 + l
 	}
-	return n, ready, status, nil
 }
 
-// relayServerError relays a fenced session's ErrorResponse (its header read),
-// but for the FATAL 57P01 that may be a raise's, which relay's
-// explainServerEnd turns into what the client is told.
-func (sess *session) relayServerError() error {
-	body, err := sess.sr.Body()
-	if err != nil {
-		return fmt.Errorf("%w: %w", errServerGone, err)
+func (sess *session) flushClientIfIdle() error {
+	if sess.sr.Buffered() == 0 {
+		sess.cwMu.Lock()
+		err := sess.cw.Flush()
+		sess.cwMu.Unlock()
+		return err
 	}
-	e, derr := wire.DecodeError(body)
-	if derr == nil && e.Code == wire.CodeAdminShutdown && e.Severity == wire.SeverityFatal {
-		sess.serverFatal.Store(e)
-		return fmt.Errorf("%w: terminated by the server", errServerGone)
-	}
-	if derr == nil && e.Severity == wire.SeverityFatal {
-		sess.serverSaid.Store(true) // the end is not silent: explainServerEnd adds nothing
-	}
-	sess.cwMu.Lock()
-	defer sess.cwMu.Unlock()
-	if sess.ended.Load() {
-		return errEnded
-	}
-	return sess.writeClientMessage('E', body)
+	return nil
 }
 
 func (sess *session) writeClientError(resp *pgproto3.ErrorResponse) error {
@@ -501,60 +466,24 @@ func (sess *session) writeClient(typ byte, body []byte) error {
 	return wire.WriteMessage(sess.cw, typ, body)
 }
 
-// writeClientMessage writes one message and flushes it, under cwMu.
-func (sess *session) writeClientMessage(typ byte, body []byte) error {
-	if err := wire.WriteMessage(sess.cw, typ, body); err != nil {
-		return sess.clientBroken(err)
-	}
-	return sess.clientBroken(sess.cw.Flush())
-}
-
-// writeClientRun writes relayed bytes straight to the client connection,
-// under cwMu. Anything of the proxy's own still in cw goes first (writeClient
-// leaves it there until flushClient, which end and answerEnded call).
-func (sess *session) writeClientRun(b []byte) error {
-	if sess.cw.Buffered() > 0 {
-		if err := sess.cw.Flush(); err != nil {
-			return sess.clientBroken(err)
-		}
-	}
-	_, err := sess.client.Write(b)
-	return sess.clientBroken(err)
-}
-
-// clientBroken marks the client's stream as cut when a write to it failed,
-// under cwMu: part of a message may have gone out, so end and endFencing
-// write nothing after it (a client would read the error as the rest of that
-// message) but close.
-func (sess *session) clientBroken(err error) error {
-	if err != nil {
-		sess.cut.Store(true)
-	}
-	return err
-}
-
-// copyClient streams the current server message, one larger than the read
-// buffer, to the client. Its errors are the client's, but for a read error of
-// the server's body.
+// copyClient streams the current server message to the client. Its errors
+// are the client's, but for a read error of the server's body.
 //
-// It, relayRun and relayServerError write nothing once the proxy ended the
-// session: the server connection is closed then, but messages read before the
-// close may still be buffered, and nothing the server sent may follow the
-// proxy's error. endFencing and end set ended before they take cwMu to write
-// it, so a run whose write holds cwMu first goes before the error, whole, and
-// one that takes it after sees ended.
+// It and relayClient write nothing once the proxy ended the session: the
+// server connection is closed then, but messages read before the close may
+// still be buffered, and nothing the server sent may follow the proxy's
+// error. endFencing and end set ended before they take cwMu to write it, so a
+// message whose write holds cwMu first goes before the error, whole, and one
+// that takes it after sees ended.
 func (sess *session) copyClient() error {
 	sess.cwMu.Lock()
 	if sess.ended.Load() {
 		sess.cwMu.Unlock()
 		return errEnded
 	}
-	err := sess.writeClientRun(nil)
-	if err == nil {
-		err = sess.sr.CopyBody(sess.client)
-		if errors.Is(err, wire.ErrCut) || (err != nil && !errors.Is(err, wire.ErrRead)) {
-			sess.cut.Store(true) // under cwMu: before any end writes after it
-		}
+	err := sess.sr.CopyBody(sess.cw)
+	if errors.Is(err, wire.ErrCut) {
+		sess.cut.Store(true) // under cwMu: before any end writes after it
 	}
 	sess.cwMu.Unlock()
 	if errors.Is(err, wire.ErrRead) {
@@ -563,26 +492,31 @@ func (sess *session) copyClient() error {
 	return err
 }
 
-// relayRun writes a run of complete server messages, ready of them
-// ReadyForQuery (the last with status), and counts the answered units, both
-// under cwMu (see endFencing: the units it counts are exactly those whose
-// ReadyForQuery did not reach the client, and nothing relayed follows its
-// error). It ends the session if an end waited for these answers, or if it is
-// shutting down and now idle.
-func (sess *session) relayRun(b []byte, ready int, status byte) error {
+// relayClient writes a server message read whole (see copyClient).
+func (sess *session) relayClient(typ byte, body []byte) error {
+	sess.cwMu.Lock()
+	defer sess.cwMu.Unlock()
+	if sess.ended.Load() {
+		return errEnded
+	}
+	return wire.WriteMessage(sess.cw, typ, body)
+}
+
+// relayReady relays a ReadyForQuery and counts it, both under cwMu (see
+// endFencing), and ends the session if it is shutting down and now idle.
+func (sess *session) relayReady(body []byte) error {
+	status := body[0]
 	sess.cwMu.Lock()
 	if sess.ended.Load() {
 		sess.cwMu.Unlock()
 		return errEnded
 	}
-	err := sess.writeClientRun(b)
-	if ready == 0 {
-		sess.cwMu.Unlock()
-		return err
-	}
+	err := wire.WriteMessage(sess.cw, 'Z', body)
 	sess.mu.Lock()
 	sess.status = status
-	sess.outstanding = max(sess.outstanding-ready, 0)
+	if sess.outstanding > 0 {
+		sess.outstanding--
+	}
 	idle := sess.outstanding == 0 && status == 'I'
 	p := sess.pending
 	answered := p != nil && sess.outstanding == 0
@@ -596,6 +530,7 @@ func (sess *session) relayRun(b []byte, ready int, status byte) error {
 		return errEnded
 	}
 	if idle && sess.shuttingDown.Load() {
+		sess.flushClientIfIdle() //nolint:errcheck
 		sess.end(sess.shutdownError())
 	}
 	return nil
@@ -617,100 +552,57 @@ func (sess *session) serverReadError(err error) error {
 func (sess *session) clientToServer() error {
 	fenced := sess.mode == modeFenced
 	for {
-		run, err := sess.cr.Frames()
+		if err := sess.flushServerIfIdle(); err != nil {
+			return fmt.Errorf("%w: %w", errServerGone, err)
+		}
+		typ, _, err := sess.cr.Next()
 		if err != nil {
 			return sess.clientReadError(err)
 		}
-		// A fenced session's checks, once per run (its messages arrived
-		// together): two atomic loads for the refusal known before the
-		// database's, one for an end that lingers.
-		if fenced && (run == nil || run[0] != 'X') {
+		if fenced && typ != 'X' {
 			if sess.lingerResp.Load() != nil {
-				return sess.answerEndedNext()
+				return sess.answerEnded(typ)
 			}
-			// The run is not forwarded; the answers to the units before it
-			// reach the client first, then the session ends and its first
-			// unit gets the error.
+			// Two atomic loads: the refusal known before the database's.
+			// The unit is not forwarded; the answers to those before it
+			// reach the client first, then the session ends and this
+			// one gets the error.
 			if fe := sess.refusal(); fe != nil {
 				sess.endWhenAnswered(fe, true)
 				<-sess.endedCh
 				if sess.lingerResp.Load() == nil {
 					return errEnded // ended otherwise (shutdown, the server's own end)
 				}
-				return sess.answerEndedNext()
+				return sess.answerEnded(typ)
 			}
 		}
-		if run == nil {
-			// A message larger than the buffer: streamed, a buffer at a time.
-			if err := sess.streamServer(); err != nil {
-				return err
-			}
-			continue
-		}
-		n, units, terminate := cutClientRun(run)
-		if units > 0 {
-			// Each unit ends with one ReadyForQuery: count them, so that a
-			// shutdown or a fencing end waits for the answers instead of
-			// cutting them off.
+		switch typ {
+		case 'Q', 'S', 'F':
+			// Each ends with one ReadyForQuery: count it, so that a shutdown
+			// waits for the answer instead of closing a busy session.
 			sess.mu.Lock()
-			sess.outstanding += units
+			sess.outstanding++
 			sess.mu.Unlock()
 		}
-		if _, err := sess.server.Write(run[:n]); err != nil {
+		err = sess.cr.CopyBody(sess.sw)
+		if errors.Is(err, wire.ErrRead) {
+			return err // the client's
+		}
+		if err != nil {
 			return fmt.Errorf("%w: %w", errServerGone, err)
 		}
-		sess.cr.Consume(n)
-		if terminate {
+		if typ == 'X' {
+			sess.sw.Flush() //nolint:errcheck
 			return io.EOF
 		}
 	}
 }
 
-// cutClientRun returns how much of run to forward (all of it, or up to and
-// including a Terminate, after which nothing is read), how many units
-// (Query, Sync, FunctionCall) it holds and whether it ends with Terminate.
-func cutClientRun(run []byte) (n, units int, terminate bool) {
-	for n < len(run) {
-		typ := run[n]
-		n += 1 + int(binary.BigEndian.Uint32(run[n+1:]))
-		switch typ {
-		case 'Q', 'S', 'F':
-			units++
-		case 'X':
-			return n, units, true
-		}
-	}
-	return n, units, false
-}
-
-// streamServer forwards a client message larger than the read buffer.
-func (sess *session) streamServer() error {
-	typ, _, err := sess.cr.Next()
-	if err != nil {
-		return sess.clientReadError(err)
-	}
-	if typ == 'Q' || typ == 'F' {
-		sess.mu.Lock()
-		sess.outstanding++
-		sess.mu.Unlock()
-	}
-	err = sess.cr.CopyBody(sess.server)
-	if errors.Is(err, wire.ErrRead) {
-		return err // the client's
-	}
-	if err != nil {
-		return fmt.Errorf("%w: %w", errServerGone, err)
+func (sess *session) flushServerIfIdle() error {
+	if sess.cr.Buffered() == 0 {
+		return sess.sw.Flush()
 	}
 	return nil
-}
-
-// answerEndedNext runs answerEnded from the client's next message on.
-func (sess *session) answerEndedNext() error {
-	typ, _, err := sess.cr.Next()
-	if err != nil {
-		return err
-	}
-	return sess.answerEnded(typ)
 }
 
 // clientReadError tells the client why its connection is being closed when

@@ -23,28 +23,15 @@ import (
 	"github.com/fenceproxy/fenceproxy/internal/wire"
 )
 
-// bufSize is the size of each direction's read buffer: the relay forwards a
-// buffer's worth of complete messages in one write (relay.go), and streams a
-// message larger than it, a buffer per write. 16 KiB was tried: it made
-// TestTransparency's 100 MB parameter twice as slow on a loaded machine (more,
-// smaller writes), for 32 KiB less per session: an idle one measured 32-44
-// KiB of RSS either way (docs/BENCHMARKS.md), the buffers' pages being
-// touched only as far as traffic fills them.
 const bufSize = 32 << 10
-
-// writeBufSize is the size of the writers cw and sw, which carry the
-// proxy's own messages only (startup, errors): the relay writes what it
-// relays straight from the read buffers.
-const writeBufSize = 2 << 10
 
 // session is one client and its upstream connection.
 //
 // Ownership: login fills the connections, cred, mode, database, pid and key
 // before the relay starts and nothing changes them afterwards. During the
-// relay, writes to the client (cw, and the runs relayed straight to the
-// connection) belong to whoever holds cwMu, and writes to the server to
-// clientToServer, its only writer (sw is login's); status and outstanding are
-// guarded by mu; the rest are atomics or set once.
+// relay, cw belongs to whoever holds cwMu and sw to clientToServer, its only
+// writer; status and outstanding are guarded by mu; the rest are atomics or
+// set once.
 type session struct {
 	srv *Server
 	log *zap.Logger
@@ -332,9 +319,9 @@ func (sess *session) login(ctx context.Context, clients int64) error {
 		up.SetDeadline(dl) //nolint:errcheck
 	}
 	sess.cr = wire.NewReader(br, bufSize, s.cfg.MaxMessageSize)
-	sess.cw = bufio.NewWriterSize(sess.client, writeBufSize)
+	sess.cw = bufio.NewWriterSize(sess.client, bufSize)
 	sess.sr = wire.NewReader(up, bufSize, s.cfg.MaxMessageSize)
-	sess.sw = bufio.NewWriterSize(up, writeBufSize)
+	sess.sw = bufio.NewWriterSize(up, bufSize)
 	if _, err := up.Write(st.Encode(nil)); err != nil {
 		return fatalf(wire.CodeConnectionFailure, "fenceproxy lost the server during startup: %v", err)
 	}

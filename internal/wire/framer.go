@@ -21,14 +21,11 @@ var ErrMalformed = errors.New("malformed message")
 
 // Reader frames typed messages (1 type byte, 4 length bytes, body). It reads
 // the header first so that the caller can decide whether to buffer the body
-// (Body) or stream it (CopyBody) without holding it in memory; or, for a
-// relay, it hands out whole runs of complete messages from its buffer
-// (Frames, Consume), which the caller forwards in one write without copying.
+// (Body) or stream it (CopyBody, Discard) without holding it in memory.
 type Reader struct {
 	br      *bufio.Reader
 	max     int
 	buf     []byte
-	hdr     [5]byte // CopyBody's header, here so that it does not escape per call
 	typ     byte
 	n       int // body length of the current message
 	pending int // body bytes not yet consumed
@@ -74,60 +71,6 @@ func (r *Reader) Next() (typ byte, n int, err error) {
 	return typ, r.n, nil
 }
 
-// Frames returns the complete messages at the front of the buffer (a run of
-// one or more, headers included), reading from the source only when the first
-// one is not there yet: once when the buffer is empty, more while that message
-// is incomplete. It looks at nothing but the 5-byte headers. The slice is the
-// Reader's own buffer, valid until the next call on r; Consume then drops
-// what of it the caller used. A nil slice with a nil error means the first
-// message does not fit the buffer: Next and CopyBody stream it. The limit and
-// the malformed-length check apply to the first message (an error then, as
-// Next's); a run ends before a later message that fails them, which the next
-// call reports.
-func (r *Reader) Frames() ([]byte, error) {
-	if r.pending > 0 {
-		return nil, errors.New("wire: Frames inside a message")
-	}
-	hdr, err := r.br.Peek(5)
-	if err != nil {
-		if len(hdr) > 0 && errors.Is(err, io.EOF) {
-			err = io.ErrUnexpectedEOF
-		}
-		return nil, err
-	}
-	l := int64(binary.BigEndian.Uint32(hdr[1:]))
-	if l < 4 {
-		return nil, fmt.Errorf("%w: type %q with length %d", ErrMalformed, hdr[0], l)
-	}
-	if l-4 > int64(r.max) {
-		return nil, fmt.Errorf("%w: type %q of %d bytes exceeds the limit of %d bytes", ErrMessageTooLarge, hdr[0], l-4, r.max)
-	}
-	if 1+l > int64(r.br.Size()) {
-		return nil, nil
-	}
-	if _, err := r.br.Peek(int(1 + l)); err != nil {
-		return nil, unexpected(err)
-	}
-	// All that is buffered (no read: Peek of Buffered bytes never reads),
-	// cut after the last complete message.
-	all, _ := r.br.Peek(r.br.Buffered())
-	end := int(1 + l)
-	for end+5 <= len(all) {
-		l := int64(binary.BigEndian.Uint32(all[end+1:]))
-		if l < 4 || l-4 > int64(r.max) || int64(end)+1+l > int64(len(all)) {
-			break
-		}
-		end += int(1 + l)
-	}
-	return all[:end], nil
-}
-
-// Consume drops the first n bytes of the run Frames returned: n must end a
-// message of it.
-func (r *Reader) Consume(n int) {
-	r.br.Discard(n) //nolint:errcheck // n bytes are buffered (Frames)
-}
-
 // Body reads the rest of the current message's body. The slice is valid only
 // until the next call on r.
 func (r *Reader) Body() ([]byte, error) {
@@ -160,18 +103,15 @@ var (
 // the body. A message that fits the read buffer is read whole before anything
 // of it is written, so that a source that ends within it leaves no partial
 // message in w (the writer can still end its stream with an error message of
-// its own); a larger one is streamed, a buffer at a time. Errors of reading
-// wrap ErrRead, and ErrCut when part of the message is in w (nothing can
-// follow it then).
-func (r *Reader) CopyBody(w io.Writer) error {
-	r.hdr[0] = r.typ
-	binary.BigEndian.PutUint32(r.hdr[1:], uint32(r.n+4))
+// its own); a larger one is streamed. Errors of reading wrap ErrRead, and
+// ErrCut when part of the message is in w (nothing can follow it then).
+func (r *Reader) CopyBody(w *bufio.Writer) error {
 	if r.pending == r.n && r.n <= r.br.Size() {
 		b, err := r.br.Peek(r.n)
 		if err != nil {
 			return fmt.Errorf("%w: %w", ErrRead, unexpected(err))
 		}
-		if _, err := w.Write(r.hdr[:]); err != nil {
+		if err := WriteHeader(w, r.typ, r.n); err != nil {
 			return err
 		}
 		if _, err := w.Write(b); err != nil {
@@ -181,7 +121,7 @@ func (r *Reader) CopyBody(w io.Writer) error {
 		r.pending = 0
 		return nil
 	}
-	if _, err := w.Write(r.hdr[:]); err != nil {
+	if err := WriteHeader(w, r.typ, r.n); err != nil {
 		return err
 	}
 	for r.pending > 0 {

@@ -3,11 +3,9 @@ package wire_test
 import (
 	"bufio"
 	"bytes"
-	"encoding/binary"
 	"errors"
 	"io"
 	"testing"
-	"testing/iotest"
 
 	"github.com/fenceproxy/fenceproxy/internal/wire"
 )
@@ -78,57 +76,7 @@ func TestReaderLimits(t *testing.T) {
 	}
 }
 
-// TestFrames: a run is every complete message buffered, a message larger than
-// the buffer is left to Next and CopyBody, and an incomplete one is read
-// until whole.
-func TestFrames(t *testing.T) {
-	var in []byte
-	in = wire.AppendMessage(in, 'P', []byte("s\x00SELECT 1\x00\x00\x00"))
-	in = wire.AppendMessage(in, 'B', []byte("\x00s\x00\x00\x00\x00\x00\x00\x00"))
-	in = wire.AppendMessage(in, 'S', nil)
-	first := len(in)
-	big := wire.AppendMessage(nil, 'd', bytes.Repeat([]byte{'x'}, 100))
-	in = append(in, big...)
-	in = wire.AppendMessage(in, 'X', nil)
-	// One byte at a time: Frames must read on until the first message is whole.
-	r := wire.NewReader(iotest.OneByteReader(bytes.NewReader(in)), 64, 1000)
-	var got []byte
-	for len(got) < first {
-		run, err := r.Frames()
-		if err != nil || run == nil {
-			t.Fatalf("run %q, %v", run, err)
-		}
-		got = append(got, run...)
-		r.Consume(len(run))
-	}
-	if !bytes.Equal(got, in[:first]) {
-		t.Fatalf("runs %q, want %q", got, in[:first])
-	}
-	if run, err := r.Frames(); run != nil || err != nil {
-		t.Fatalf("a message larger than the buffer: run %q, %v; want neither", run, err)
-	}
-	if typ, _, err := r.Next(); err != nil || typ != 'd' {
-		t.Fatalf("next: %q %v", typ, err)
-	}
-	var out bytes.Buffer
-	if err := r.CopyBody(&out); err != nil || !bytes.Equal(out.Bytes(), big) {
-		t.Fatalf("streamed %q, %v", out.Bytes(), err)
-	}
-	if run, err := r.Frames(); err != nil || !bytes.Equal(run, []byte{'X', 0, 0, 0, 4}) {
-		t.Fatalf("last run %q, %v", run, err)
-	}
-	r.Consume(5)
-	if _, err := r.Frames(); err != io.EOF {
-		t.Fatalf("end: %v", err)
-	}
-	r = wire.NewReader(bytes.NewReader([]byte{'Q', 0, 0, 0, 3}), 64, 1000)
-	if _, err := r.Frames(); !errors.Is(err, wire.ErrMalformed) {
-		t.Fatalf("malformed: %v", err)
-	}
-}
-
-// FuzzReader frames arbitrary bytes (message by message, and in runs with
-// Frames): it must never panic, never return a
+// FuzzReader frames arbitrary bytes: it must never panic, never return a
 // body longer than the limit, and re-encoding what it framed must give back
 // a prefix of the input.
 func FuzzReader(f *testing.F) {
@@ -141,25 +89,6 @@ func FuzzReader(f *testing.F) {
 		var out bytes.Buffer
 		w := bufio.NewWriter(&out)
 		for i := 0; ; i++ {
-			if (i+mode)%3 == 2 {
-				// The relay's way: runs of complete messages.
-				run, err := r.Frames()
-				if err != nil {
-					break
-				}
-				if run != nil {
-					for off := 0; off < len(run); {
-						l := int(binary.BigEndian.Uint32(run[off+1:]))
-						if l < 4 || l-4 > max || off+1+l > len(run) {
-							t.Fatalf("run %x: not whole messages within the limit", run)
-						}
-						off += 1 + l
-					}
-					w.Write(run)
-					r.Consume(len(run))
-					continue
-				}
-			}
 			typ, n, err := r.Next()
 			if err != nil {
 				break
