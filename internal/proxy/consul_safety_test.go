@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -58,6 +59,15 @@ func startGuardedProxy(t *testing.T, s *consulSetup, mod ...func(*proxy.Config))
 		})
 	}}
 	t.Cleanup(gp.stop)
+	// Sessions are refused (ZF007) until the Guard has read Consul once: wait for that, with a
+	// token no lock ever issued (refused for another reason once synchronised), so that the
+	// tests' first connection is not refused for the start-up alone.
+	eventually(t, "the Guard synchronised with Consul", func() error {
+		if err := connectErr(gp.url(1 << 40)); err != nil && strings.Contains(err.Error(), "not synchronised") {
+			return err
+		}
+		return nil
+	})
 	return gp
 }
 
