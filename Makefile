@@ -12,12 +12,13 @@ GOTESTFLAGS ?= -race -count=1 -timeout 15m
 
 all: build
 
-# The lease store of `make demo`: consul (default) or postgres (`make demo STORE=postgres`:
-# the PostgreSQL lease, nothing but PostgreSQL needed, no Consul build).
+# The lease store of `make demo`: consul (default), postgres (`make demo STORE=postgres`:
+# the PostgreSQL lease, nothing but PostgreSQL needed, no Consul build) or etcd (an etcd
+# server inside the demo's process, no Consul build).
 STORE ?= consul
 
 deps:
-	DEPS_CONSUL=$(if $(filter postgres,$(STORE)),0,1) bash scripts/deps.sh
+	DEPS_CONSUL=$(if $(filter postgres etcd,$(STORE)),0,1) bash scripts/deps.sh
 
 build:
 	$(GO) build -o bin/fenceproxy ./cmd/fenceproxy

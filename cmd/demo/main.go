@@ -1,9 +1,10 @@
 // Command demo is the billing-run demo, as real processes on loopback (`make demo` runs it).
 //
 // Three replicas of a billing scheduler (cmd/billing) elect a leader through a Consul lock
-// (--store consul, the default) or the PostgreSQL lease of the protected database itself
-// (--store postgres, `make demo STORE=postgres`: nothing but PostgreSQL, no Consul), each
-// under `fenceproxy lock`. The leader charges customers one transaction at a time. In the
+// (--store consul, the default), the PostgreSQL lease of the protected database itself
+// (--store postgres, `make demo STORE=postgres`: nothing but PostgreSQL, no Consul) or an
+// etcd election (--store etcd, `make demo STORE=etcd`: etcd's server runs in the demo's
+// process), each under `fenceproxy lock`. The leader charges customers one transaction at a time. In the
 // middle of a charge the demo freezes the leader (SIGSTOP to its process groups, like a GC
 // pause or a VM freeze) for longer than its lease; the store hands the lease to another
 // replica, which resumes the run; then the demo wakes the old leader (SIGCONT), which still
@@ -48,7 +49,7 @@ import (
 
 // config is the demo's settings: flags, or the DEMO_* variables of the former script.
 type config struct {
-	Store         string        `help:"Where the replicas win their lease: consul or postgres." enum:"consul,postgres" default:"consul" env:"DEMO_STORE"`
+	Store         string        `help:"Where the replicas win their lease: consul, postgres (the PostgreSQL lease: nothing else needed) or etcd (an etcd server in the demo's process)." enum:"consul,postgres,etcd" default:"consul" env:"DEMO_STORE"`
 	Customers     int           `help:"Customers to charge in each run." default:"30" env:"DEMO_CUSTOMERS"`
 	TxDelay       time.Duration `help:"Pause inside each charge's transaction (BILLING_TX_DELAY)." default:"300ms" env:"DEMO_TX_DELAY"`
 	StepDelay     time.Duration `help:"Pause between two charges (BILLING_STEP_DELAY)." default:"200ms" env:"DEMO_STEP_DELAY"`

@@ -39,8 +39,8 @@ type runState struct {
 }
 
 // scenario runs the replicas of run to the end against url, freezing the leader on the
-// way, and prints the run's timeline. key is the Consul lock key; on the PostgreSQL lease
-// the lease row is in database db.
+// way, and prints the run's timeline. key is the Consul lock key or the etcd election's
+// prefix; on the PostgreSQL lease the lease row is in database db.
 func (d *demo) scenario(ctx context.Context, run, db, url, key string) (*outcome, error) {
 	c := d.c
 	r := &runState{d: d, name: run, db: db, dir: filepath.Join(d.work, run), procs: map[string]*testenv.Process{}}
@@ -60,9 +60,12 @@ func (d *demo) scenario(ctx context.Context, run, db, url, key string) (*outcome
 	// The arguments of fenceproxy lock between --resource and --on-lost (with Consul, as
 	// docker-compose.yml has them).
 	var lease []string
-	if d.consul != nil {
+	switch {
+	case d.consul != nil:
 		lease = []string{"--key", key, "--consul-addr", d.consul.Addr, "--database-url", url, "--ttl", c.TTL.String(), "--lock-delay", "0s"}
-	} else {
+	case d.etcd != nil:
+		lease = []string{"--store", "etcd", "--etcd-endpoints", d.etcd.Endpoint, "--prefix", key, "--database-url", url, "--ttl", c.TTL.String()}
+	default:
 		// The lease row lives in the database the replicas write to, reached directly (as
 		// the schema's owner here; any role with EXECUTE on the lease functions will do).
 		leaseURL := d.adminURL(db)

@@ -25,14 +25,15 @@ type demo struct {
 	env        []string // the services' environment: the binaries first on PATH, TZ=UTC
 
 	pg       *testenv.Postgres
-	consul   *testenv.Consul // nil on the PostgreSQL lease
+	consul   *testenv.Consul // only with --store consul
+	etcd     *testenv.Etcd   // only with --store etcd
 	proxy    *testenv.ProxyProcess
 	replicas []*testenv.Process // of every run, stopped by close
 	keyFile  string
 }
 
-// setup builds the programs and starts PostgreSQL, Consul (unless the store is postgres),
-// the migration and fenceproxy. The demo it returns, even with an error, must be closed.
+// setup builds the programs and starts PostgreSQL, the lease store (Consul, or etcd: an
+// in-process server; the PostgreSQL lease needs none), the migration and fenceproxy. The demo it returns, even with an error, must be closed.
 func setup(ctx context.Context, c config) (*demo, error) {
 	root, err := testenv.ModuleRoot()
 	if err != nil {
@@ -59,12 +60,19 @@ func setup(ctx context.Context, c config) (*demo, error) {
 		return d, err
 	}
 	say("PostgreSQL on %s:%d, folder %s", d.pg.Host, d.pg.Port, work)
-	if c.Store == "consul" {
+	switch c.Store {
+	case "consul":
 		if d.consul, err = testenv.LaunchConsul(ctx); err != nil {
 			return d, err
 		}
 		say("Consul v%s on %s", testenv.ConsulVersion, d.consul.Addr)
-	} else {
+	case "etcd":
+		// etcd's own server code (the embed package), in this process, on private ports.
+		if d.etcd, err = testenv.LaunchEtcd(ctx); err != nil {
+			return d, err
+		}
+		say("etcd on %s (in the demo's process)", d.etcd.Endpoint)
+	default:
 		say("no Consul: the replicas lead through the PostgreSQL lease (fence.leases in the protected database)")
 	}
 	if err := d.pg.ExecContext(ctx, "CREATE DATABASE billing"); err != nil {
@@ -88,17 +96,24 @@ func setup(ctx context.Context, c config) (*demo, error) {
 		return d, fmt.Errorf("fenceproxy migrate created no key file %s", d.keyFile)
 	}
 
-	// With Consul the proxy validates each token against the lock (and raises a new
-	// holder's token itself); with the PostgreSQL lease it needs no other service: the
-	// acquisition raises the token, and fence.bind checks every token against the lease row.
+	// With Consul or etcd the proxy validates each token against the lock or election (and
+	// raises a new holder's token itself); with the PostgreSQL lease it needs no other
+	// service: the acquisition raises the token, and fence.bind checks every token against
+	// the lease row.
 	port, err := testenv.PickFreePort()
 	if err != nil {
 		return d, err
 	}
 	args := []string{"serve", "--listen", "127.0.0.1:" + strconv.Itoa(port), "--upstream", fmt.Sprintf("postgres://%s:%d", d.pg.Host, d.pg.Port)}
-	if d.consul != nil {
+	switch {
+	case d.consul != nil:
 		args = append(args, "--resource", "billing=locks/billing", "--key-file", d.keyFile, "--consul-addr", d.consul.Addr)
-	} else {
+	case d.etcd != nil:
+		// Each run has an election prefix of its own (the unfenced run's replicas connect
+		// straight to PostgreSQL, but they elect their leader in the same etcd).
+		args = append(args, "--resource", "billing", "--key-file", d.keyFile,
+			"--etcd-endpoints", d.etcd.Endpoint, "--etcd-resource", "billing=locks/billing")
+	default:
 		args = append(args, "--resource", "billing", "--key-file", d.keyFile)
 	}
 	args = append(args, "--control-database", d.adminURL("billing"), "--log-format", "console")
@@ -205,6 +220,9 @@ func (d *demo) close() error {
 	}
 	if d.consul != nil {
 		errs = append(errs, d.consul.Close())
+	}
+	if d.etcd != nil {
+		errs = append(errs, d.etcd.Close())
 	}
 	if d.pg != nil {
 		errs = append(errs, d.pg.Close())

@@ -181,11 +181,27 @@ func TestDemo(t *testing.T) {
 // TestDemoPostgresStore runs the demo on the PostgreSQL lease (`make demo STORE=postgres`):
 // no Consul at all, the same outcome.
 func TestDemoPostgresStore(t *testing.T) {
+	testDemoWithoutConsul(t, "postgres", "demo: no Consul:")
+}
+
+// TestDemoEtcdStore runs the demo on an etcd election (`make demo STORE=etcd`): etcd's
+// server in the demo's process, the proxy validating tokens against it, no Consul.
+func TestDemoEtcdStore(t *testing.T) {
+	r := testDemoWithoutConsul(t, "etcd", "demo: etcd on ")
+	if cmd := r.services["fenceproxy"]; !strings.Contains(cmd, "--etcd-resource billing=locks/billing") {
+		t.Errorf("the proxy does not validate tokens against etcd: %s", cmd)
+	}
+}
+
+// testDemoWithoutConsul runs the demo on store with a short TTL and no Consul binary to be
+// found, and checks its outcome, its timeline (with the lines of extra) and that no service
+// mentions Consul.
+func testDemoWithoutConsul(t *testing.T, store string, extra ...string) *demoRun {
 	const customers = 12
-	r := runDemo(t, customers, "DEMO_STORE=postgres", "DEMO_TTL=3s", "FENCEPROXY_CONSUL_BIN=/nonexistent")
+	r := runDemo(t, customers, "DEMO_STORE="+store, "DEMO_TTL=3s", "FENCEPROXY_CONSUL_BIN=/nonexistent")
 	t.Logf("demo output:\n%s", r.output)
 	t.Run("outcome", func(t *testing.T) { wantOutcome(t, r, customers) })
-	t.Run("timeline", func(t *testing.T) { wantTimeline(t, r, "lease store: postgres", "demo: no Consul:") })
+	t.Run("timeline", func(t *testing.T) { wantTimeline(t, r, append([]string{"lease store: " + store}, extra...)...) })
 	t.Run("no Consul", func(t *testing.T) {
 		for name, cmd := range r.services {
 			if strings.Contains(cmd, "consul") {
@@ -193,6 +209,7 @@ func TestDemoPostgresStore(t *testing.T) {
 			}
 		}
 	})
+	return r
 }
 
 // wantTimeline checks that the output shows the scenario: the freeze, the refusal, the

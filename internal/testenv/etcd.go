@@ -43,35 +43,63 @@ type Etcd struct {
 	server *embed.Etcd
 }
 
-// StartEtcd starts a single-member etcd server on private ports, waits until it serves
-// linearizable reads, and registers tb.Cleanup to stop it and remove its folder. Its
-// heartbeat and election timeouts are short (a single member elects itself at once
-// anyway) and fsync is off: a Stop is a clean shutdown, not a power loss.
+// StartEtcd starts a single-member etcd server on private ports (LaunchEtcd) and registers
+// tb.Cleanup to stop it and remove its folder (kept when the test failed).
 func StartEtcd(tb testing.TB) *Etcd {
 	tb.Helper()
-	base, err := os.MkdirTemp("", "fenceproxy-etcd-")
-	if err != nil {
-		tb.Fatalf("testenv: %v", err)
-	}
-	e := &Etcd{base: base, DataDir: filepath.Join(base, "data"), LogFile: filepath.Join(base, "etcd.log")}
-	tb.Cleanup(func() { e.cleanup(tb) })
 	ctx, cancel := context.WithTimeout(context.Background(), etcdStartTimeout)
 	defer cancel()
+	e, err := LaunchEtcd(ctx)
+	if err != nil {
+		tb.Fatalf("testenv: start etcd: %v", err)
+	}
+	tb.Cleanup(func() {
+		if err := e.stop(); err != nil {
+			tb.Errorf("testenv: %v", err)
+		}
+		if tb.Failed() {
+			tb.Logf("testenv: etcd folder kept: %s", e.base)
+			return
+		}
+		_ = os.RemoveAll(e.base)
+	})
+	tb.Logf("testenv: etcd on %s, folder %s", e.Endpoint, e.base)
+	return e
+}
+
+// LaunchEtcd starts a single-member etcd server on private ports and waits until it serves
+// linearizable reads; Close stops it and removes its folder. Its heartbeat and election
+// timeouts are short (a single member elects itself at once anyway) and fsync is off: a
+// Stop is a clean shutdown, not a power loss.
+func LaunchEtcd(ctx context.Context) (*Etcd, error) {
+	base, err := os.MkdirTemp("", "fenceproxy-etcd-")
+	if err != nil {
+		return nil, err
+	}
+	e := &Etcd{base: base, DataDir: filepath.Join(base, "data"), LogFile: filepath.Join(base, "etcd.log")}
 	for attempt := 1; ; attempt++ {
-		e.clientPort, e.peerPort = FreePort(tb), FreePort(tb)
-		e.Endpoint = "http://127.0.0.1:" + strconv.Itoa(e.clientPort)
-		err = e.start(ctx)
+		if e.clientPort, err = PickFreePort(); err == nil {
+			e.peerPort, err = PickFreePort()
+		}
 		if err == nil {
-			break
+			e.Endpoint = "http://127.0.0.1:" + strconv.Itoa(e.clientPort)
+			err = e.start(ctx)
+		}
+		if err == nil {
+			return e, nil
 		}
 		if !errors.Is(err, errPortInUse) || attempt == portAttempts {
-			tb.Fatalf("testenv: start etcd: %v", err)
+			_ = os.RemoveAll(base)
+			return nil, err
 		}
 		// A member that failed to bind may have written a data folder for the old ports.
 		_ = os.RemoveAll(e.DataDir)
 	}
-	tb.Logf("testenv: etcd on %s, folder %s", e.Endpoint, base)
-	return e
+}
+
+// Close stops the server and removes its folder.
+func (e *Etcd) Close() error {
+	return errors.Join(e.stop(), os.RemoveAll(e.base))
 }
 
 func (e *Etcd) config() *embed.Config {
@@ -228,15 +256,4 @@ func (e *Etcd) Running() bool {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	return e.server != nil
-}
-
-func (e *Etcd) cleanup(tb testing.TB) {
-	if err := e.stop(); err != nil {
-		tb.Errorf("testenv: %v", err)
-	}
-	if tb.Failed() {
-		tb.Logf("testenv: etcd folder kept: %s", e.base)
-		return
-	}
-	_ = os.RemoveAll(e.base)
 }
