@@ -217,52 +217,58 @@ func supervise(ctx context.Context, cfg *RunConfig, lock Lease, log *zap.Logger)
 	}
 	log = log.With(zap.Int64("token", lock.Token()), zap.String("session", lock.Holder()))
 	log.Info("child started", zap.Int("pid", cmd.Process.Pid))
-	exited := make(chan error, 1)
-	go func() { exited <- cmd.Wait() }()
-
+	ch := watchChild(cmd)
 	pgid := cmd.Process.Pid
 	select {
-	case werr := <-exited:
-		if !groupEmpty(pgid) {
+	case <-ch.exited:
+		if groupLive(pgid) {
 			// Processes the child started are still running with the token: stop
 			// them before a new leader can start next to them.
 			log.Info("child exited; stopping what is left of its process group")
-			werr = stopGroup(pgid, nil, werr, cfg.Grace, log)
+			stopGroup(pgid, ch.exited, cfg.Grace, log)
 		}
+		werr := ch.reap()
 		release(lock, log)
 		return false, exitResult(werr)
 	case <-lock.Done():
 		log.Warn("lost leadership: stopping child", zap.Error(lock.Err()))
-		stopGroup(pgid, exited, nil, cfg.Grace, log)
+		stopGroup(pgid, ch.exited, cfg.Grace, log)
+		_ = ch.reap()
 		return true, nil
 	case <-stalled:
 		// Stopped before the release, as after an exit: no new leader next to it.
 		log.Error("watchdog: the child made no progress: stopping it and giving up the lease",
 			zap.String("file", cfg.Watchdog.File), zap.Duration("timeout", cfg.Watchdog.Timeout))
-		werr := stopGroup(pgid, exited, nil, cfg.Grace, log)
+		stopGroup(pgid, ch.exited, cfg.Grace, log)
+		werr := ch.reap()
 		release(lock, log)
 		return false, &WatchdogError{File: cfg.Watchdog.File, Timeout: cfg.Watchdog.Timeout, Exit: exitResult(werr)}
 	case <-ctx.Done():
 		log.Info("stopping child", zap.Error(ctx.Err()))
-		werr := stopGroup(pgid, exited, nil, cfg.Grace, log)
+		stopGroup(pgid, ch.exited, cfg.Grace, log)
+		werr := ch.reap()
 		release(lock, log)
 		return false, exitResult(werr)
 	}
 }
 
+// child is a started child: exited is closed once it has exited; reap (procattr_*.go)
+// returns its status.
+type child struct {
+	cmd    *exec.Cmd
+	exited chan struct{}
+	werr   error // where watchChild reaps at once: Wait's result
+}
+
 // stopGroup stops the child's process group: SIGTERM to all of it, then SIGKILL to what
-// is left when grace has passed. It returns once the child has exited and the group is
-// empty (or, for members that outlive SIGKILL as zombies nobody reaps, once grace has
-// passed), with the child's Wait result. exited is nil when the child already exited
-// with result werr.
-func stopGroup(pgid int, exited <-chan error, werr error, grace time.Duration, log *zap.Logger) error {
-	if err := syscall.Kill(-pgid, syscall.SIGTERM); err != nil {
-		if errors.Is(err, syscall.ESRCH) && exited == nil {
-			return werr // nothing left
-		}
-		if !errors.Is(err, syscall.ESRCH) {
-			log.Warn("SIGTERM to child group", zap.Error(err))
-		}
+// is left when grace has passed. It returns once the child has exited (exited is closed)
+// and no process of the group is left but zombies (which nobody may reap), or once the
+// SIGKILL is sent and the child has exited. The caller reaps the child after it, so on
+// Linux the group's id cannot be given to another process while it is being signalled
+// (watchChild).
+func stopGroup(pgid int, exited <-chan struct{}, grace time.Duration, log *zap.Logger) {
+	if err := syscall.Kill(-pgid, syscall.SIGTERM); err != nil && !errors.Is(err, syscall.ESRCH) {
+		log.Warn("SIGTERM to child group", zap.Error(err))
 	}
 	deadline := time.NewTimer(grace)
 	defer deadline.Stop()
@@ -270,7 +276,7 @@ func stopGroup(pgid int, exited <-chan error, werr error, grace time.Duration, l
 	defer poll.Stop()
 	for {
 		select {
-		case werr = <-exited:
+		case <-exited:
 			exited = nil
 		case <-poll.C:
 		case <-deadline.C:
@@ -279,19 +285,14 @@ func stopGroup(pgid int, exited <-chan error, werr error, grace time.Duration, l
 				log.Warn("SIGKILL to child group", zap.Error(err))
 			}
 			if exited != nil {
-				werr = <-exited
+				<-exited
 			}
-			return werr
+			return
 		}
-		if exited == nil && groupEmpty(pgid) {
-			return werr
+		if exited == nil && !groupLive(pgid) {
+			return
 		}
 	}
-}
-
-// groupEmpty reports whether no process is left in the process group.
-func groupEmpty(pgid int) bool {
-	return errors.Is(syscall.Kill(-pgid, 0), syscall.ESRCH)
 }
 
 func exitResult(werr error) error {

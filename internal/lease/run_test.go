@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -272,6 +273,48 @@ func TestRunLocked(t *testing.T) {
 		}
 		if p := readKey(t, client, "locks/stragglers"); p.Session != "" {
 			t.Errorf("lock not released: %+v", p)
+		}
+	})
+
+	t.Run("the exited child keeps its group's id until its group is stopped", func(t *testing.T) {
+		t.Parallel()
+		if runtime.GOOS != "linux" {
+			t.Skip("the child's group id is pinned on Linux only (waitid WNOWAIT)")
+		}
+		// The child exits at once and leaves a process that ignores SIGTERM: the group is
+		// stopped by SIGKILL after the 2 s grace period. All that time the child must stay
+		// an unreaped zombie, so that its pid (the group's id) is not reused by a new
+		// process that a signal to the group would then reach.
+		dir := t.TempDir()
+		cfg := base("pinned", dir, `(trap '' TERM; exec sleep 30) & echo $! > "$DIR/grandchild"; echo $$ > "$DIR/leader"; exit 0`)
+		res := runLocked(t, testCtx(t), cfg)
+		leader, _ := strconv.Atoi(strings.TrimSpace(waitFile(t, filepath.Join(dir, "leader"), nonEmpty)))
+		grandchild, _ := strconv.Atoi(strings.TrimSpace(waitFile(t, filepath.Join(dir, "grandchild"), nonEmpty)))
+		zombie := false
+		deadline := time.Now().Add(waitTimeout)
+		for !zombie && time.Now().Before(deadline) {
+			b, err := os.ReadFile("/proc/" + strconv.Itoa(leader) + "/stat")
+			if err != nil {
+				t.Fatalf("the exited child %d was reaped while its group still ran (grandchild alive: %v)", leader, alive(grandchild))
+			}
+			zombie = strings.Contains(string(b), ") Z ")
+			time.Sleep(10 * time.Millisecond)
+		}
+		if !zombie {
+			t.Fatalf("the child %d did not exit", leader)
+		}
+		if !alive(grandchild) {
+			t.Fatalf("the grandchild %d ended before the grace period; the test needs it to ignore SIGTERM", grandchild)
+		}
+		if err := result(t, res, waitTimeout); err != nil {
+			t.Errorf("RunLocked = %v, want nil", err)
+		}
+		if alive(grandchild) {
+			t.Errorf("grandchild %d still running after RunLocked returned", grandchild)
+			_ = syscall.Kill(grandchild, syscall.SIGKILL)
+		}
+		if _, err := os.Stat("/proc/" + strconv.Itoa(leader)); err == nil {
+			t.Errorf("the child %d was not reaped after its group stopped", leader)
 		}
 	})
 
