@@ -15,6 +15,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/fenceproxy/fenceproxy/internal/procgroup"
 	"github.com/fenceproxy/fenceproxy/internal/wire"
 )
 
@@ -217,63 +218,55 @@ func supervise(ctx context.Context, cfg *RunConfig, lock Lease, log *zap.Logger)
 	}
 	log = log.With(zap.Int64("token", lock.Token()), zap.String("session", lock.Holder()))
 	log.Info("child started", zap.Int("pid", cmd.Process.Pid))
-	ch := watchChild(cmd)
-	pgid := cmd.Process.Pid
+	// The child leads its own group; procgroup keeps it unreaped after it exits until the
+	// group is stopped, so the group's id cannot be another group's while it is signalled.
+	ch := procgroup.Watch(cmd)
 	select {
-	case <-ch.exited:
-		if groupLive(pgid) {
+	case <-ch.Exited():
+		if ch.Live() {
 			// Processes the child started are still running with the token: stop
 			// them before a new leader can start next to them.
 			log.Info("child exited; stopping what is left of its process group")
-			stopGroup(pgid, ch.exited, cfg.Grace, log)
+			stopGroup(ch, cfg.Grace, log)
 		}
-		werr := ch.reap()
+		werr := ch.Reap()
 		release(lock, log)
 		return false, exitResult(werr)
 	case <-lock.Done():
 		log.Warn("lost leadership: stopping child", zap.Error(lock.Err()))
-		stopGroup(pgid, ch.exited, cfg.Grace, log)
-		_ = ch.reap()
+		stopGroup(ch, cfg.Grace, log)
+		_ = ch.Reap()
 		return true, nil
 	case <-stalled:
 		// Stopped before the release, as after an exit: no new leader next to it.
 		log.Error("watchdog: the child made no progress: stopping it and giving up the lease",
 			zap.String("file", cfg.Watchdog.File), zap.Duration("timeout", cfg.Watchdog.Timeout))
-		stopGroup(pgid, ch.exited, cfg.Grace, log)
-		werr := ch.reap()
+		stopGroup(ch, cfg.Grace, log)
+		werr := ch.Reap()
 		release(lock, log)
 		return false, &WatchdogError{File: cfg.Watchdog.File, Timeout: cfg.Watchdog.Timeout, Exit: exitResult(werr)}
 	case <-ctx.Done():
 		log.Info("stopping child", zap.Error(ctx.Err()))
-		stopGroup(pgid, ch.exited, cfg.Grace, log)
-		werr := ch.reap()
+		stopGroup(ch, cfg.Grace, log)
+		werr := ch.Reap()
 		release(lock, log)
 		return false, exitResult(werr)
 	}
 }
 
-// child is a started child: exited is closed once it has exited; reap (procattr_*.go)
-// returns its status.
-type child struct {
-	cmd    *exec.Cmd
-	exited chan struct{}
-	werr   error // where watchChild reaps at once: Wait's result
-}
-
 // stopGroup stops the child's process group: SIGTERM to all of it, then SIGKILL to what
-// is left when grace has passed. It returns once the child has exited (exited is closed)
-// and no process of the group is left but zombies (which nobody may reap), or once the
-// SIGKILL is sent and the child has exited. The caller reaps the child after it, so on
-// Linux the group's id cannot be given to another process while it is being signalled
-// (watchChild).
-func stopGroup(pgid int, exited <-chan struct{}, grace time.Duration, log *zap.Logger) {
-	if err := syscall.Kill(-pgid, syscall.SIGTERM); err != nil && !errors.Is(err, syscall.ESRCH) {
+// is left when grace has passed. It returns once the child has exited and no process of
+// the group is left but zombies (which nobody may reap), or once the SIGKILL is sent and
+// the child has exited. The caller reaps the child after it.
+func stopGroup(ch *procgroup.Leader, grace time.Duration, log *zap.Logger) {
+	if err := ch.Signal(syscall.SIGTERM); err != nil && !errors.Is(err, os.ErrProcessDone) {
 		log.Warn("SIGTERM to child group", zap.Error(err))
 	}
 	deadline := time.NewTimer(grace)
 	defer deadline.Stop()
 	poll := time.NewTicker(50 * time.Millisecond)
 	defer poll.Stop()
+	exited := ch.Exited()
 	for {
 		select {
 		case <-exited:
@@ -281,15 +274,13 @@ func stopGroup(pgid int, exited <-chan struct{}, grace time.Duration, log *zap.L
 		case <-poll.C:
 		case <-deadline.C:
 			log.Warn("child group still running after the grace period: SIGKILL", zap.Duration("grace", grace))
-			if err := syscall.Kill(-pgid, syscall.SIGKILL); err != nil && !errors.Is(err, syscall.ESRCH) {
+			if err := ch.Signal(syscall.SIGKILL); err != nil && !errors.Is(err, os.ErrProcessDone) {
 				log.Warn("SIGKILL to child group", zap.Error(err))
 			}
-			if exited != nil {
-				<-exited
-			}
+			<-ch.Exited()
 			return
 		}
-		if exited == nil && !groupLive(pgid) {
+		if exited == nil && !ch.Live() {
 			return
 		}
 	}

@@ -14,6 +14,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/fenceproxy/fenceproxy/internal/procgroup"
 )
 
 // BuildGo builds the main packages pkgs (import paths below the module, e.g.
@@ -80,9 +82,10 @@ type Process struct {
 	LogFile string
 
 	mu     sync.Mutex
-	pid    int           // 0 while not running
-	exited chan struct{} // closed when pid has been reaped
-	status error         // Wait's result, once exited
+	pid    int               // 0 while not running
+	leader *procgroup.Leader // the current run
+	exited chan struct{}     // closed when pid has been reaped
+	status error             // Wait's result, once exited
 }
 
 // StartProcess starts argv as name, its stdout and stderr appended to dir/name.log.
@@ -153,10 +156,18 @@ func (p *Process) start() error {
 	if err := cmd.Start(); err != nil {
 		return err
 	}
+	leader := procgroup.Watch(cmd)
 	exited := make(chan struct{})
-	p.pid, p.exited, p.status = cmd.Process.Pid, exited, nil
+	p.pid, p.leader, p.exited, p.status = cmd.Process.Pid, leader, exited, nil
 	go func() {
-		err := cmd.Wait()
+		<-leader.Exited()
+		// What the process started in its group may outlive it for a while (the workers of
+		// a killed server). The group's id stays taken until they are gone (or killed by
+		// Kill or Close), so that a signal to the group never reaches another program's.
+		for leader.Live() {
+			time.Sleep(50 * time.Millisecond)
+		}
+		err := leader.Reap()
 		p.mu.Lock()
 		p.status = err
 		p.mu.Unlock()
@@ -207,11 +218,10 @@ func (p *Process) Signal(sig syscall.Signal) error {
 	if !p.Running() {
 		return os.ErrProcessDone
 	}
-	err := syscall.Kill(-p.Pid(), sig)
-	if errors.Is(err, syscall.ESRCH) {
-		return os.ErrProcessDone
-	}
-	return err
+	p.mu.Lock()
+	leader := p.leader
+	p.mu.Unlock()
+	return leader.Signal(sig)
 }
 
 // Wait waits up to timeout for the process to exit and reports whether it did.
@@ -229,11 +239,14 @@ func (p *Process) Wait(timeout time.Duration) bool {
 }
 
 func (p *Process) kill() {
-	pid := p.Pid()
-	if pid != 0 {
-		// The group may outlive its leader (children of a killed supervisor).
-		_ = syscall.Kill(-pid, syscall.SIGCONT)
-		_ = syscall.Kill(-pid, syscall.SIGKILL)
+	p.mu.Lock()
+	leader := p.leader
+	p.mu.Unlock()
+	if leader != nil {
+		// The group may outlive its leader (the workers of a killed server); Signal
+		// reaches it until the leader is reaped, which waits for the group to be empty.
+		_ = leader.Signal(syscall.SIGCONT)
+		_ = leader.Signal(syscall.SIGKILL)
 	}
 }
 
