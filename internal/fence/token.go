@@ -51,12 +51,25 @@ type Credentials struct {
 // that the server never sees them. known lists the configured resources.
 func FromStartup(s *wire.Startup, known []string) (Credentials, error) {
 	vals := map[string][]string{}
-	for _, name := range []string{ParamResource, ParamToken, ParamSession} {
-		for _, p := range s.Params {
-			if p.Name == name {
-				vals[name] = append(vals[name], p.Value)
-			}
+	// PostgreSQL folds the case of a parameter's name (Fence.Token sets fence.token), so
+	// the proxy must too: a name it did not recognise would reach the server, which would
+	// set the setting while the proxy saw no token at all (under --unfenced allow, an
+	// unfenced session). So any name that folds to fence.* is the proxy's, and removed.
+	var ours []string
+	for _, p := range s.Params {
+		name := foldName(p.Name)
+		if !strings.HasPrefix(name, "fence.") {
+			continue
 		}
+		switch name {
+		case ParamResource, ParamToken, ParamSession:
+			vals[name] = append(vals[name], p.Value)
+			ours = append(ours, p.Name)
+		default:
+			return Credentials{}, Malformed(fmt.Sprintf("unknown fence parameter %q (known: fence.resource, fence.token, fence.session)", p.Name))
+		}
+	}
+	for _, name := range ours {
 		s.DeleteParam(name)
 	}
 	if opts, ok := s.Param("options"); ok {
@@ -121,6 +134,18 @@ func FromStartup(s *wire.Startup, known []string) (Credentials, error) {
 	}
 	c.Token = t
 	return c, nil
+}
+
+// foldName folds a parameter name as PostgreSQL compares setting names (guc_name_compare):
+// ASCII letters to lower case, nothing else.
+func foldName(name string) string {
+	b := []byte(name)
+	for i, c := range b {
+		if 'A' <= c && c <= 'Z' {
+			b[i] = c + 'a' - 'A'
+		}
+	}
+	return string(b)
 }
 
 func allEqual(v []string) bool {

@@ -39,6 +39,16 @@ func TestFromStartup(t *testing.T) {
 		{"bad token", []wire.Param{{Name: "fence.resource", Value: "billing"}, {Name: "fence.token", Value: "1e3"}}, fence.Credentials{}, fence.CodeMalformed, nil},
 		{"plus token", []wire.Param{{Name: "fence.resource", Value: "billing"}, {Name: "fence.token", Value: "+3"}}, fence.Credentials{}, fence.CodeMalformed, nil},
 		{"unknown fence setting", []wire.Param{{Name: "options", Value: "-c fence.tokne=3"}}, fence.Credentials{}, fence.CodeMalformed, nil},
+		// PostgreSQL folds setting names' case: Fence.Token sets fence.token. A review sent
+		// these top-level and the proxy, comparing exactly, saw no token and let the session
+		// run unfenced under --unfenced allow while the server set fence.token.
+		{"mixed case", []wire.Param{{Name: "user", Value: "a"}, {Name: "Fence.Resource", Value: "billing"}, {Name: "FENCE.TOKEN", Value: "5"}},
+			fence.Credentials{Resource: "billing", Token: 5, Present: true}, "", []wire.Param{{Name: "user", Value: "a"}}},
+		{"mixed case twice, different values", []wire.Param{{Name: "fence.resource", Value: "billing"}, {Name: "fence.token", Value: "5"}, {Name: "Fence.Token", Value: "6"}},
+			fence.Credentials{}, fence.CodeMalformed, nil},
+		{"mixed case without resource", []wire.Param{{Name: "Fence.Token", Value: "5"}}, fence.Credentials{}, fence.CodeMissing, nil},
+		{"unknown fence parameter", []wire.Param{{Name: "fence.tokne", Value: "3"}}, fence.Credentials{}, fence.CodeMalformed, nil},
+		{"unknown fence parameter, upper case", []wire.Param{{Name: "FENCE.X", Value: "3"}}, fence.Credentials{}, fence.CodeMalformed, nil},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -118,6 +118,13 @@ func TestUnfencedPolicies(t *testing.T) {
 	if n := count(t, admin, "SELECT count(*) FROM items WHERE tag IN ('allowed', 'ro-off')"); n != 2 {
 		t.Fatalf("%d rows, want 2", n)
 	}
+
+	// A token whose parameter names are not in lower case is still a token: PostgreSQL
+	// folds the names (Fence.Token sets fence.token). A review's stale writer sent them so
+	// and ran unfenced, its insert committed.
+	connect(t, allow.FenceURL("app", "postgres", "billing", 50))
+	err = connectErr(allow.URL("app", "postgres", "Fence.Resource=billing", "FENCE.TOKEN=5"))
+	wantStale(t, err)
 }
 
 // TestStaleSessionInFlightCancelled: a session frozen in a long query
