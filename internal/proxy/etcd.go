@@ -28,6 +28,14 @@ const etcdReadTimeout = 5 * time.Second
 // revisions went backwards (a snapshot restore): a store revision lower than one seen
 // before, or a leader whose token is below the one the database admitted.
 //
+// One token, one holder: a revision names one leader key, and so one session lease. The
+// same revision with another lease means etcd issued the number twice (it lost its data,
+// and its revisions came up again to a token already admitted): the resource fails closed.
+// The guard remembers the leader of each election it read, and with --control-database
+// records every admitted (token, lease) in the database (fence.consul_admit, migration 7's
+// C1-C3: the same record the Consul Guard keeps), where every proxy and a restarted one
+// see it; without a control database only its own memory guards against it.
+//
 // Like the Consul Guard, etcd's word is needed to admit a token, never to keep the
 // guarantee: the database's bind and raise order commits whatever the guard knows.
 type EtcdGuard struct {
@@ -40,7 +48,15 @@ type EtcdGuard struct {
 
 	mu      sync.Mutex
 	highest int64                   // the highest store revision read
+	leaders map[string]etcdLeader   // resource -> the newest leader read
 	regress map[string]*fence.Error // resource -> why it fails closed
+}
+
+// etcdLeader is an election's leader: its key's CreateRevision (the token; 0: no leader)
+// and the session lease that owns the key (hex, as `fenceproxy lock` shows it).
+type etcdLeader struct {
+	rev    int64
+	holder string
 }
 
 // EtcdGuardOptions configure NewEtcdGuard.
@@ -65,7 +81,8 @@ func NewEtcdGuard(ctx context.Context, cfg Config, opts EtcdGuardOptions) (*Etcd
 	if len(cfg.EtcdEndpoints) == 0 {
 		return nil, errors.New("etcd-resource needs etcd-endpoints")
 	}
-	g := &EtcdGuard{reg: opts.Registry, log: opts.Logger, prefixes: map[string]string{}, key: s.Key, regress: map[string]*fence.Error{}}
+	g := &EtcdGuard{reg: opts.Registry, log: opts.Logger, prefixes: map[string]string{}, key: s.Key,
+		leaders: map[string]etcdLeader{}, regress: map[string]*fence.Error{}}
 	if g.log == nil {
 		g.log = zap.NewNop()
 	}
@@ -103,15 +120,15 @@ func NewEtcdGuard(ctx context.Context, cfg Config, opts EtcdGuardOptions) (*Etcd
 	return g, nil
 }
 
-// leader reads resource's election linearizably: the leader key's CreateRevision (0: no
-// leader) and the store's revision at the read. A store revision below one read before is
-// a regression, and fails the resource closed.
-func (g *EtcdGuard) leader(ctx context.Context, res string) (leader, store int64, err error) {
+// leader reads resource's election linearizably: the leader (rev 0: none) and the store's
+// revision at the read. A store revision below one read before is a regression, and so is
+// the same leader revision with another lease: both fail the resource closed.
+func (g *EtcdGuard) leader(ctx context.Context, res string) (l etcdLeader, store int64, err error) {
 	rctx, cancel := context.WithTimeout(ctx, etcdReadTimeout)
 	defer cancel()
 	resp, err := g.client.Get(rctx, g.prefixes[res], clientv3.WithFirstCreate()...)
 	if err != nil {
-		return 0, 0, err
+		return etcdLeader{}, 0, err
 	}
 	g.mu.Lock()
 	defer g.mu.Unlock()
@@ -122,9 +139,82 @@ func (g *EtcdGuard) leader(ctx context.Context, res string) (leader, store int64
 		g.highest = store
 	}
 	if len(resp.Kvs) == 0 {
-		return 0, store, nil
+		return etcdLeader{}, store, nil
 	}
-	return resp.Kvs[0].CreateRevision, store, nil
+	l = etcdLeader{rev: resp.Kvs[0].CreateRevision, holder: fmt.Sprintf("%x", resp.Kvs[0].Lease)}
+	switch prev := g.leaders[res]; {
+	case prev.rev == l.rev && prev.holder != l.holder:
+		g.failClosed(res, fmt.Sprintf("etcd issued revision %d twice: to the leader key of session lease %s, then of %s (etcd lost its data and its revisions came up again?)",
+			l.rev, prev.holder, l.holder))
+	case l.rev > prev.rev:
+		g.leaders[res] = l
+	}
+	return l, store, nil
+}
+
+// record is the database's part of admitting l, the leader etcd just showed for res
+// (fence.consul_admit records (token, lease), and answers with a regression some proxy
+// recorded, or with a higher token recorded since; see Guard.judge for the reasoning).
+// Without a control database there is no record, only this process's memory.
+func (g *EtcdGuard) record(ctx context.Context, res string, l etcdLeader) error {
+	if g.pool == nil {
+		return nil
+	}
+	holder := "etcd lease " + l.holder
+	var rec fence.ConsulRecord
+	err := g.pool.AcquireFunc(ctx, func(c *pgxpool.Conn) error {
+		var err error
+		rec, err = g.key.ConsulAdmit(ctx, c.Conn(), res, l.rev, holder)
+		return err
+	})
+	switch {
+	case err != nil:
+		return fence.Unavailable(res, "the database's record of admitted tokens (fence.consul_admit, schema version 7: "+
+			"run fenceproxy migrate) could not be updated: "+err.Error())
+	case rec.Regression != "":
+		return g.closed(res, rec.Regression)
+	case rec.Admits(l.rev, holder):
+		return nil
+	case rec.Token <= l.rev:
+		// Not an answer consul_admit gives (one number with two holders is a regression).
+		return fence.Unavailable(res, fmt.Sprintf("the database recorded token %d of %s for token %d of %s", rec.Token, rec.Holder, l.rev, holder))
+	}
+	// A higher token is recorded: a newer leader (this read is behind), or etcd's
+	// revisions went back below a token already admitted. A read started now tells.
+	cur, _, err := g.leader(ctx, res)
+	if err != nil {
+		return fence.Unavailable(res, "etcd's election state is unknown ("+err.Error()+"); no token is admitted without etcd's word")
+	}
+	if cur.rev >= rec.Token {
+		return fence.Stale(res, l.rev, rec.Token)
+	}
+	return g.closed(res, fmt.Sprintf("the database admitted token %d (%s) but etcd's current leader key was created at revision %d",
+		rec.Token, rec.Holder, cur.rev))
+}
+
+// closed fails res closed for reason and returns the error its sessions get.
+func (g *EtcdGuard) closed(res, reason string) error {
+	g.mu.Lock()
+	g.failClosed(res, reason)
+	g.mu.Unlock()
+	return g.regression(res)
+}
+
+// persist records a regression this proxy found in the database (fence.consul_regress),
+// where every proxy and a restarted one see it (fence.consul_admit answers with it).
+func (g *EtcdGuard) persist(res string, token int64, reason string) {
+	if g.pool == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), etcdReadTimeout)
+	defer cancel()
+	err := g.pool.AcquireFunc(ctx, func(c *pgxpool.Conn) error {
+		_, err := g.key.ConsulRegress(ctx, c.Conn(), res, token, reason)
+		return err
+	})
+	if err != nil {
+		g.log.Error("could not record the regression in the database; other proxies find it themselves", zap.String("resource", res), zap.Error(err))
+	}
 }
 
 // failClosed blocks res for good (until the proxy restarts), with g.mu held.
@@ -138,6 +228,7 @@ func (g *EtcdGuard) failClosed(res, why string) {
 	g.regress[res] = fe
 	g.log.Error("failing closed: etcd revision regression", zap.String("resource", res), zap.String("store", lease.StoreEtcd), zap.String("why", why))
 	g.reg.Block(res, fe)
+	go g.persist(res, max(g.leaders[res].rev, 1), why) // g.mu is held: not here
 }
 
 func (g *EtcdGuard) regression(res string) *fence.Error {
@@ -151,7 +242,8 @@ func (g *EtcdGuard) Admit(ctx context.Context, c fence.Credentials) error {
 	if _, ok := g.prefixes[c.Resource]; !ok {
 		return nil
 	}
-	rev, _, err := g.leader(ctx, c.Resource)
+	l, _, err := g.leader(ctx, c.Resource)
+	rev := l.rev
 	if fe := g.regression(c.Resource); fe != nil {
 		return fe
 	}
@@ -171,7 +263,7 @@ func (g *EtcdGuard) Admit(ctx context.Context, c fence.Credentials) error {
 		fe.Hint = "Use the leader key's CreateRevision (concurrency.Election.Rev()) that this process won the election with."
 		return fe
 	}
-	return nil
+	return g.record(ctx, c.Resource, l)
 }
 
 // Run watches every election until ctx ends, raising each new leader's token.
@@ -191,14 +283,14 @@ func (g *EtcdGuard) Run(ctx context.Context) error {
 func (g *EtcdGuard) follow(ctx context.Context, res string) {
 	log := g.log.With(zap.String("resource", res), zap.String("store", lease.StoreEtcd))
 	for ctx.Err() == nil {
-		rev, store, err := g.leader(ctx, res)
+		l, store, err := g.leader(ctx, res)
 		if err != nil {
 			log.Warn("read etcd election", zap.Error(err))
 			sleep(ctx, time.Second)
 			continue
 		}
-		if rev > 0 && g.regression(res) == nil {
-			g.observe(ctx, res, rev, log)
+		if l.rev > 0 && g.regression(res) == nil {
+			g.observe(ctx, res, l, log)
 		}
 		wctx, wcancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
 		wch := g.client.Watch(wctx, g.prefixes[res], clientv3.WithPrefix(), clientv3.WithRev(store+1))
@@ -210,9 +302,15 @@ func (g *EtcdGuard) follow(ctx context.Context, res string) {
 	}
 }
 
-// observe raises a leader's token that is new to this proxy.
-func (g *EtcdGuard) observe(ctx context.Context, res string, rev int64, log *zap.Logger) {
+// observe raises a leader's token that is new to this proxy, once the database's record
+// agrees it is the leader's.
+func (g *EtcdGuard) observe(ctx context.Context, res string, l etcdLeader, log *zap.Logger) {
+	rev := l.rev
 	if rev <= g.reg.Highest("", res) {
+		return
+	}
+	if err := g.record(ctx, res, l); err != nil {
+		log.Warn("new leader not raised", zap.Int64("token", rev), zap.Error(err))
 		return
 	}
 	// Sessions of older tokens are ended from now on, in every database; the database

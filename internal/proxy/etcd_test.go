@@ -3,8 +3,12 @@ package proxy_test
 import (
 	"context"
 	"fmt"
+	"strings"
+	"sync"
 	"testing"
 	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
 	"github.com/fenceproxy/fenceproxy/internal/lease"
@@ -29,33 +33,9 @@ func TestEtcdGuard(t *testing.T) {
 		ControlDatabase: pg.AdminURL(),
 		Key:             testenv.Key, // the guard's proactive raise needs the proof
 	}
-	reg := fence.NewRegistry()
-	ctx, cancel := context.WithCancel(context.Background())
-	g, err := proxy.NewEtcdGuard(ctx, cfg, proxy.EtcdGuardOptions{Registry: reg, Logger: zapNop()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan struct{})
-	go func() { g.Run(ctx); close(done) }() //nolint:errcheck
-	t.Cleanup(func() { cancel(); <-done })
-	px := testenv.StartProxy(t, pg, cfg, testenv.ProxyOptions{Admitter: g, Registry: reg})
+	px, _ := startEtcdGuarded(t, pg, cfg)
 	url := func(tok int64) string { return px.FenceURL("app", "postgres", "billing", tok) }
-	store := func(holder string) *lease.EtcdStore {
-		return &lease.EtcdStore{Client: cli, TTL: 5 * time.Second, Holder: holder}
-	}
-	campaign := func(holder string) lease.Lease {
-		t.Helper()
-		l, err := store(holder).Campaign(ctxT(t), "billing")
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() {
-			rctx, rcancel := context.WithTimeout(context.Background(), 5*time.Second)
-			defer rcancel()
-			_ = l.Release(rctx)
-		})
-		return l
-	}
+	campaign := func(holder string) lease.Lease { return etcdCampaign(t, cli, holder) }
 	stored := func() int64 {
 		return int64(count(t, admin, "SELECT coalesce((SELECT token FROM fence.tokens WHERE resource = 'billing'), 0)::int"))
 	}
@@ -83,7 +63,7 @@ func TestEtcdGuard(t *testing.T) {
 		}
 		return nil
 	})
-	_, err = conn.Exec(ctxT(t), "INSERT INTO items (tag, token) VALUES ('a late', $1)", a.Token())
+	_, err := conn.Exec(ctxT(t), "INSERT INTO items (tag, token) VALUES ('a late', $1)", a.Token())
 	wantStale(t, err)
 	wantStale(t, connectErr(url(a.Token())))
 	bc := connect(t, url(b.Token()))
@@ -119,4 +99,97 @@ func TestEtcdGuard(t *testing.T) {
 	if n := count(t, admin, "SELECT count(*)::int FROM items WHERE tag = 'a late'"); n != 0 {
 		t.Errorf("%d late rows of the old leader, want 0", n)
 	}
+}
+
+// TestEtcdGuardOneHolderPerToken: etcd loses its data (a restore to an early backup), and
+// its revisions come up again until a new leader key gets the very revision an earlier
+// leader was admitted with. A proxy that did not see the restore happen (here: one started
+// after it; in a review, one frozen through it) must not admit the second holder of that
+// number: the database's record of (token, session lease) refuses it with ZF007, and keeps
+// the regression for every proxy.
+func TestEtcdGuardOneHolderPerToken(t *testing.T) {
+	t.Parallel()
+	pg, admin := fencedDB(t)
+	etcd := testenv.StartEtcd(t)
+	cli := etcd.Client(t)
+	backup := etcd.Backup(t) // before any leader
+	cfg := proxy.Config{
+		Upstream:        fmt.Sprintf("postgres://%s:%d", pg.Host, pg.Port),
+		Resources:       []string{"billing"},
+		EtcdEndpoints:   []string{etcd.Endpoint},
+		EtcdResources:   []string{"billing=locks/billing"},
+		ControlDatabase: pg.AdminURL(),
+		Key:             testenv.Key,
+	}
+	campaign := func(holder string) lease.Lease { return etcdCampaign(t, cli, holder) }
+
+	px1, stop1 := startEtcdGuarded(t, pg, cfg)
+	a := campaign("a")
+	conn := connect(t, px1.FenceURL("app", "postgres", "billing", a.Token()))
+	mustExec(t, conn, "INSERT INTO items (tag, token) VALUES ('a', $1)", a.Token())
+	stop1() // px1's guard sees nothing of what follows
+
+	// etcd back to the backup, then written until the next key's revision is a's token.
+	etcd.Restore(t, backup)
+	for {
+		resp, err := cli.Get(ctxT(t), "unrelated")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if resp.Header.Revision >= a.Token()-1 {
+			break
+		}
+		if _, err := cli.Put(ctxT(t), "unrelated", "x"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	b := campaign("b")
+	if b.Token() != a.Token() {
+		t.Fatalf("the new leader's key has revision %d, want a's %d (the test could not make etcd repeat it)", b.Token(), a.Token())
+	}
+
+	px2, _ := startEtcdGuarded(t, pg, cfg)
+	err := connectErr(px2.FenceURL("app", "postgres", "billing", b.Token()))
+	wantCode(t, err, fence.CodeUnavailable)
+	if !strings.Contains(err.Error(), "issued") && !strings.Contains(err.Error(), "etcd lease") {
+		t.Errorf("refusal does not say the token has another holder: %v", err)
+	}
+	if n := count(t, admin, "SELECT count(*)::int FROM fence.consul_tokens WHERE resource = 'billing' AND regression IS NOT NULL"); n != 1 {
+		t.Errorf("regression not recorded in the database (rows %d)", n)
+	}
+	mustExec(t, conn, "INSERT INTO items (tag, token) VALUES ('a again', $1)", a.Token())
+}
+
+// etcdCampaign wins the election of resource billing as holder (TTL 5 s), released when
+// the test ends.
+func etcdCampaign(t *testing.T, cli *clientv3.Client, holder string) lease.Lease {
+	t.Helper()
+	l, err := (&lease.EtcdStore{Client: cli, TTL: 5 * time.Second, Holder: holder}).Campaign(ctxT(t), "billing")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		rctx, rcancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer rcancel()
+		_ = l.Release(rctx)
+	})
+	return l
+}
+
+// startEtcdGuarded starts a proxy with an EtcdGuard for cfg; stop stops the guard (also at
+// the test's end), leaving the proxy running without it.
+func startEtcdGuarded(t *testing.T, pg *testenv.Postgres, cfg proxy.Config) (*testenv.Proxy, func()) {
+	t.Helper()
+	reg := fence.NewRegistry()
+	ctx, cancel := context.WithCancel(context.Background())
+	g, err := proxy.NewEtcdGuard(ctx, cfg, proxy.EtcdGuardOptions{Registry: reg, Logger: zapNop()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() { g.Run(ctx); close(done) }() //nolint:errcheck
+	var once sync.Once
+	stop := func() { once.Do(func() { cancel(); <-done }) }
+	t.Cleanup(stop)
+	return testenv.StartProxy(t, pg, cfg, testenv.ProxyOptions{Admitter: g, Registry: reg}), stop
 }
