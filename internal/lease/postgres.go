@@ -115,6 +115,8 @@ func (p *PostgresStore) Campaign(ctx context.Context, resource string) (Lease, e
 				hint = " (is the fence schema of this database at version 5? run fenceproxy migrate)"
 			case "42501":
 				hint = " (grant this role EXECUTE on fence.lease_acquire, fence.lease_renew and fence.lease_release: README, The PostgreSQL lease)"
+			case "ZF003", "ZF005":
+				hint = " (the lease's --database must reach PostgreSQL directly, not through fenceproxy: the lease is what gives the token)"
 			}
 			return nil, fmt.Errorf("lease: %w: acquire %s: %w%s", ErrRefused, leaseKey(resource), err, hint)
 		case err != nil:
@@ -147,11 +149,12 @@ func (p *PostgresStore) Campaign(ctx context.Context, resource string) (Lease, e
 
 // permanent reports an error that retrying the same call cannot change: a refusal of the
 // arguments (ZF004), a missing schema or function (3F000, 42883: the fence schema is not at
-// version 5), a missing privilege (42501), failed authentication (28000, 28P01) or a missing
-// database (3D000).
+// version 5), a missing privilege (42501), failed authentication (28000, 28P01), a missing
+// database (3D000), or fenceproxy's refusal of a session without a token or of an unknown
+// resource (ZF003, ZF005: the URL leads to the proxy instead of the database).
 func permanent(err error) bool {
 	switch sqlState(err) {
-	case "ZF004", "3F000", "42883", "42501", "28000", "28P01", "3D000":
+	case "ZF004", "3F000", "42883", "42501", "28000", "28P01", "3D000", "ZF003", "ZF005":
 		return true
 	}
 	return false

@@ -250,6 +250,20 @@ func TestPostgresLease(t *testing.T) {
 			t.Errorf("Campaign with a TTL below 1 s: %v, want ErrRefused", err)
 		}
 	})
+
+	t.Run("a URL through fenceproxy is refused at once", func(t *testing.T) {
+		t.Parallel()
+		// The lease is what gives a token, so a session through the proxy has none to
+		// show (ZF003): a review saw the store retry that forever.
+		pg, _ := leaseDB(t)
+		px := testenv.StartProxy(t, pg, proxy.Config{Resources: []string{"billing"}})
+		ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
+		defer cancel()
+		s := &lease.PostgresStore{URL: px.URL("postgres", "postgres"), TTL: time.Second, Holder: "a"}
+		if _, err := s.Campaign(ctx, "billing"); !errors.Is(err, lease.ErrRefused) || !strings.Contains(err.Error(), "directly") {
+			t.Errorf("Campaign through the proxy: %v, want ErrRefused saying to reach PostgreSQL directly", err)
+		}
+	})
 }
 
 // TestPostgresLeaseRace calls fence.lease_acquire from several connections at the same
