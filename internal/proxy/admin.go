@@ -26,6 +26,9 @@ type Status struct {
 // ResourceStatus is one resource's leadership as this proxy knows it.
 type ResourceStatus struct {
 	Resource string `json:"resource"`
+	// Store is the lock service that validates the resource's tokens (consul, etcd), or
+	// "database" when the database alone orders them.
+	Store string `json:"store"`
 	// Token is the highest token known to be admitted (0: none yet); Holder its holder when
 	// known (a Consul session).
 	Token      int64      `json:"token"`
@@ -81,7 +84,7 @@ func (s *Server) Status(ctx context.Context) Status {
 	s.mu.Unlock()
 	now := time.Now()
 	for _, l := range s.lead.leaders() {
-		r := ResourceStatus{Resource: l.Resource, Token: l.Token, Holder: l.Holder, Changes: l.Changes,
+		r := ResourceStatus{Resource: l.Resource, Store: storeOf(s.admit, l.Resource), Token: l.Token, Holder: l.Holder, Changes: l.Changes,
 			Flapping: s.lead.isFlapping(l.Resource, now), Sessions: map[string]int{}}
 		if !l.Since.IsZero() {
 			r.AdmittedAt = &l.Since

@@ -69,6 +69,11 @@ func TestEtcdGuard(t *testing.T) {
 	bc := connect(t, url(b.Token()))
 	mustExec(t, bc, "INSERT INTO items (tag, token) VALUES ('b', $1)", b.Token())
 	bc.Close(ctxT(t))
+	// The status names the store and the leader's session lease.
+	st := px.Server.Status(ctxT(t))
+	if len(st.Resources) != 1 || st.Resources[0].Store != lease.StoreEtcd || st.Resources[0].Holder != "etcd lease "+b.Holder() {
+		t.Errorf("status %+v, want store etcd and holder etcd lease %s", st.Resources, b.Holder())
+	}
 
 	// etcd unreachable: no new session without its word.
 	backup := etcd.Backup(t) // taken while b leads

@@ -1,0 +1,62 @@
+package proxy
+
+import "github.com/fenceproxy/fenceproxy/internal/lease"
+
+// StoreDatabase names a resource whose tokens no lock service validates: the database alone
+// orders them (the PostgreSQL lease's generations, or tokens the application brings).
+const StoreDatabase = "database"
+
+// storeGuard is an Admitter that validates some resources' tokens against a lock service.
+type storeGuard interface {
+	// guards reports whether the service validates resource's tokens. (Not Validates:
+	// session.admit asks that of Consul resources only, whose early refusal it skips.)
+	guards(resource string) bool
+	// store is the lock service's name, as lease.Store* names it.
+	store() string
+	// holder is the holder of token for resource as the service last showed it ("" when
+	// not known).
+	holder(resource string, token int64) string
+}
+
+func (g *Guard) store() string     { return lease.StoreConsul }
+func (g *EtcdGuard) store() string { return lease.StoreEtcd }
+
+// holder is the session lease of the election's leader, if its token is token.
+func (g *EtcdGuard) holder(resource string, token int64) string {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if l := g.leaders[resource]; l.rev == token && token > 0 {
+		return "etcd lease " + l.holder
+	}
+	return ""
+}
+
+func (g *Guard) guards(resource string) bool { return g.Validates(resource) }
+
+func (g *EtcdGuard) guards(resource string) bool {
+	_, ok := g.prefixes[resource]
+	return ok
+}
+
+// guardOf returns the guard that validates resource among the server's admitters (nil: the
+// database alone orders its tokens).
+func guardOf(a Admitter, resource string) storeGuard {
+	as, ok := a.(Admitters)
+	if !ok {
+		as = Admitters{a}
+	}
+	for _, x := range as {
+		if g, ok := x.(storeGuard); ok && g.guards(resource) {
+			return g
+		}
+	}
+	return nil
+}
+
+// storeOf names the lock service that validates resource's tokens.
+func storeOf(a Admitter, resource string) string {
+	if g := guardOf(a, resource); g != nil {
+		return g.store()
+	}
+	return StoreDatabase
+}
