@@ -234,3 +234,68 @@ func TestConsulFastHandOversStaleIsZF001(t *testing.T) {
 		})
 	}
 }
+
+// TestConsulForgedResetNotifyChangesNothing (review finding F4): any client may NOTIFY on the
+// proxies' channel. A forged "<resource> <token> reset" while the resource fails closed after a
+// regression changes nothing: the Guard finds no such reset in fence.history, says so, and keeps
+// refusing (ZF007). The operator's real fence.reset still ends the regression in the running
+// proxy.
+func TestConsulForgedResetNotifyChangesNothing(t *testing.T) {
+	t.Parallel()
+	s := startConsulProxy(t)
+	p := startGuardedProxy(t, s)
+	a, _ := consulLock(t, s.client, "locks/billing")
+	tok := reacquire(t, s.client, "locks/billing", a) // LockIndex 2
+	mustExec(t, connect(t, p.url(tok)), "INSERT INTO items (tag) VALUES ('a')")
+	if _, err := s.client.KV().Put(&api.KVPair{Key: "locks/billing", Value: []byte("oops")}, nil); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "regression seen and recorded", func() error {
+		if err := connectErr(p.url(tok)); sqlstate(err) != fence.CodeUnavailable {
+			return fmt.Errorf("got %v", err)
+		}
+		if n := count(t, s.admin, "SELECT count(*)::int FROM fence.consul_tokens WHERE regression IS NOT NULL"); n != 1 {
+			return errors.New("not recorded yet")
+		}
+		return nil
+	})
+	// Both Guards' listeners (the setup's and p's) are past their LISTEN.
+	eventually(t, "listeners ready", func() error {
+		if n := count(t, s.admin, `SELECT count(*)::int FROM pg_stat_activity
+			WHERE application_name = $1 AND query LIKE '%fence.history%'`, proxy.GuardApplicationName); n < 2 {
+			return fmt.Errorf("%d listening", n)
+		}
+		return nil
+	})
+
+	forger := connect(t, s.pg.URL("app", "postgres"))
+	mustExec(t, forger, "SELECT pg_notify($1, $2)", fence.Channel, fmt.Sprintf("billing %d reset", tok))
+	eventually(t, "the forged notification seen and ignored", func() error {
+		if p.logs.FilterMessageSnippet("ignoring a reset notification").Len() == 0 {
+			return errors.New("not yet")
+		}
+		return nil
+	})
+	if n := p.logs.FilterMessageSnippet("fence reset by an operator").Len(); n != 0 {
+		t.Errorf("the forged notification was taken for a reset (%d log lines)", n)
+	}
+	err := connectErr(p.url(tok))
+	wantCode(t, err, fence.CodeUnavailable)
+	t.Logf("after the forged reset: %v", err)
+
+	// A real reset, to Consul's current token (0 after the plain PUT, so the next holder's 1).
+	if _, err := s.client.Session().Destroy(a, nil); err != nil {
+		t.Fatal(err)
+	}
+	b, low := consulLock(t, s.client, "locks/billing")
+	mustExec(t, s.admin, "SELECT fence.reset('billing', $1)", low)
+	eventually(t, "admitted after the operator's reset", func() error {
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		c, err := pgx.Connect(ctx, p.url(low, "fence.session="+b))
+		if err != nil {
+			return err
+		}
+		return c.Close(ctx)
+	})
+}
