@@ -3,7 +3,11 @@ package main
 import (
 	"context"
 	"fmt"
+	"strconv"
+	"strings"
 	"time"
+	"unicode"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"go.uber.org/zap"
@@ -54,9 +58,20 @@ func (f *FenceHistoryCmd) Run(ctx context.Context) error {
 		if e.ApplicationName != "" {
 			by += " (" + e.ApplicationName + ")"
 		}
-		fmt.Printf("%-30s %-24s %12d %12s  %-5s  %-24s  %s pid %d\n", e.At.UTC().Format(time.RFC3339Nano), e.Resource, e.Token, prev, how, holder, by, e.PID)
+		fmt.Printf("%-30s %-24s %12d %12s  %-5s  %-24s  %s pid %d\n", e.At.UTC().Format(time.RFC3339Nano), e.Resource, e.Token, prev, how,
+			printable(holder), printable(by), e.PID)
 	}
 	return nil
+}
+
+// printable is s for a terminal: as it is when every character is printable, else quoted with
+// Go's escapes (a holder or a role name written by someone else must not drive the operator's
+// terminal: "\x1b[2J" clears it).
+func printable(s string) string {
+	if utf8.ValidString(s) && !strings.ContainsFunc(s, func(r rune) bool { return r == '\\' || r == '"' || !unicode.IsGraphic(r) && r != ' ' }) {
+		return s
+	}
+	return strconv.QuoteToGraphic(s)
 }
 
 // FenceShowCmd lists fence.tokens.
@@ -128,7 +143,7 @@ func (f *FenceShowCmd) Run(ctx context.Context) error {
 		if err := rows.Scan(&r, &g, &holder, &state); err != nil {
 			return err
 		}
-		fmt.Printf("%-32s %20d  %s, %s\n", r, g, holder, state)
+		fmt.Printf("%-32s %20d  %s, %s\n", r, g, printable(holder), state)
 	}
 	return rows.Err()
 }

@@ -460,4 +460,18 @@ func TestFenceCommands(t *testing.T) {
 	if h := history("--resource", "billing", "--limit", "2"); !reflect.DeepEqual(h, want[3:]) {
 		t.Fatalf("fence history --resource billing --limit 2:\n%v\nwant\n%v", h, want[3:])
 	}
+
+	// Control characters in a holder (a lease holder named before migration 8 refused them)
+	// reach the terminal escaped, never as they are: "\x1b[2J" would clear it.
+	if _, err := admin.Exec(t.Context(), `INSERT INTO fence.history (resource, token, holder, reset, raised_at, role, pid)
+		VALUES ('evil', 1, E'w\x1b[2J\x07\r\nforged', false, now(), 'postgres', 1)`); err != nil {
+		t.Fatal(err)
+	}
+	out = run("history", "--database", pg.AdminURL(), "--resource", "evil")
+	if strings.ContainsAny(out, "\x1b\x07\r") || strings.Contains(out, "\nforged") {
+		t.Fatalf("fence history printed control characters: %q", out)
+	}
+	if !strings.Contains(out, `"w\x1b[2J\a\r\nforged"`) {
+		t.Fatalf("fence history does not show the holder escaped: %q", out)
+	}
 }

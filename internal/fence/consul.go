@@ -47,3 +47,26 @@ func (k Key) ConsulRegress(ctx context.Context, conn *pgx.Conn, resource string,
 	})
 	return recorded, err
 }
+
+// ConsulBindQuery is the bind of a session whose token Consul just showed as current, held by
+// a session: fence.consul_admit records (token, holder) in the session's own database, with
+// the proof of kind "consul", and fence.bind runs only when the record admits them (C5 in
+// migration 8: one token, one holder, and a second holder deposes the first). Its row:
+// recorded token, recorded holder, regression (NULL: none) and the stored token after the
+// bind (NULL: not bound, the record did not admit the token).
+const ConsulBindQuery = `SELECT a.recorded, a.recorded_holder, a.regression,
+	CASE WHEN a.regression IS NULL AND a.recorded = $2 AND a.recorded_holder = $4 THEN fence.bind($1, $2, $3) END
+	FROM fence.consul_admit($1, $2, $4, $5) AS a`
+
+// ConsulBindCall returns ConsulBindQuery's parameters for the session's backend (process ID
+// pid, in database): the bind's call, then holder and the proof of the admission.
+func (k Key) ConsulBindCall(database, resource string, token int64, holder string, pid uint32) ([][]byte, error) {
+	bind, err := k.BindCall(database, resource, token, pid)
+	if err != nil {
+		return nil, err
+	}
+	if holder == "" {
+		return nil, Malformed("a Consul-validated bind needs the lock's holder session")
+	}
+	return append(bind.Args(), []byte(holder), []byte(k.Proof("consul", database, resource, token, pid))), nil
+}

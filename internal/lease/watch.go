@@ -83,6 +83,7 @@ type keyWatch struct {
 	mode        TokenMode
 	highest     uint64 // highest token (of mode) issued while watched
 	createIndex uint64 // TokenLockIndex: CreateIndex when the key was first seen (0: never seen)
+	holder      string // the session that held the lock with highest ("": not seen held)
 }
 
 // NewWatcher validates cfg and returns a Watcher that is not running yet.
@@ -281,9 +282,19 @@ func (w *Watcher) observe(k *keyWatch, pair *api.KVPair, index uint64) {
 // LockIndex below the highest. TokenCreateLock: only a token below the highest is, which
 // takes a plain write on a held key (LockIndex back to 0 under the same CreateIndex) or a
 // snapshot restore (CreateIndex back); a re-created key's tokens are higher (EncodeToken).
+//
+// In both modes, the highest token held by another session than the one seen with it is a
+// regression too: Consul issued the number twice, which one transaction that writes the held
+// key (LockIndex back to 0), unlocks it and locks it for another session (LockIndex 1 again)
+// does without the watch ever seeing the lower number.
 func (k *keyWatch) regressed(next State) string {
 	if !next.Exists || k.highest == 0 {
 		return ""
+	}
+	if cur, err := next.Current(); err == nil && uint64(cur) == k.highest && next.Held && next.LockIndex > 0 &&
+		k.holder != "" && next.Session != k.holder && (k.mode == TokenCreateLock || next.CreateIndex == k.createIndex) {
+		return fmt.Sprintf("token %d was held by Consul session %s and is now held by session %s: Consul issued the number twice "+
+			"(a write to the held key in the transaction that handed the lock over resets its LockIndex)", cur, k.holder, next.Session)
 	}
 	if k.mode == TokenCreateLock {
 		cur, err := next.Current()
@@ -317,14 +328,24 @@ func (k *keyWatch) record(s State) {
 	}
 	if k.mode == TokenCreateLock {
 		if cur, err := s.Current(); err == nil && s.LockIndex > 0 {
-			k.highest = max(k.highest, uint64(cur))
+			k.raise(uint64(cur), s)
 		}
 		return
 	}
 	if k.createIndex == 0 {
 		k.createIndex = s.CreateIndex
 	}
-	k.highest = max(k.highest, s.LockIndex)
+	k.raise(s.LockIndex, s)
+}
+
+// raise makes tok the highest token if it is higher, and notes its holder when s is held.
+func (k *keyWatch) raise(tok uint64, s State) {
+	if tok > k.highest {
+		k.highest, k.holder = tok, ""
+	}
+	if tok == k.highest && s.Held && k.holder == "" {
+		k.holder = s.Session
+	}
 }
 
 func changed(a, b State) bool {
@@ -359,7 +380,7 @@ func (w *Watcher) Reset(key string) error {
 	}
 	next := prev
 	next.Regression = nil
-	k.highest, k.createIndex = 0, 0
+	k.highest, k.createIndex, k.holder = 0, 0, ""
 	k.record(next)
 	next.Highest = k.highest
 	k.state = next
@@ -419,7 +440,7 @@ func (w *Watcher) Validate(ctx context.Context, key string, token int64, session
 	}
 	w.mu.Lock()
 	cur := k.state
-	hist := keyWatch{key: key, mode: k.mode, highest: k.highest, createIndex: k.createIndex}
+	hist := keyWatch{key: key, mode: k.mode, highest: k.highest, createIndex: k.createIndex, holder: k.holder}
 	w.mu.Unlock()
 	if err := cur.usable(); err != nil {
 		return cur, err

@@ -23,6 +23,10 @@ const (
 	ConsulDownTrustDatabase = "trust-database"
 )
 
+// GuardApplicationName is the application_name of the Guard's connections to the control
+// database.
+const GuardApplicationName = "fenceproxy guard"
+
 // Guard ties the proxy to Consul: it admits a session's token only when it
 // is the current LockIndex of a held lock (Admitter), and it fences
 // proactively: when Consul hands the lock to a new holder, it raises the new
@@ -146,7 +150,14 @@ func (g *Guard) finish(ctx context.Context, client *api.Client, keys []string, c
 	g.watcher = w
 	g.mode = mode
 	if control != "" {
-		pool, err := pgxpool.New(ctx, control)
+		pc, err := pgxpool.ParseConfig(control)
+		if err != nil {
+			return nil, fmt.Errorf("control database: %w", err)
+		}
+		// So that operators can tell the Guard's backends from the sessions' (pg_stat_activity,
+		// and the history's application_name of its raises).
+		pc.ConnConfig.RuntimeParams["application_name"] = GuardApplicationName
+		pool, err := pgxpool.NewWithConfig(ctx, pc)
 		if err != nil {
 			return nil, fmt.Errorf("control database: %w", err)
 		}
@@ -226,35 +237,46 @@ func (g *Guard) Validates(resource string) bool {
 	return ok
 }
 
-// Admit implements Admitter: the token must be the current token (of the mode)
-// of a held lock (and the holder session, when given), and the database's record
-// of Consul tokens must agree (admitRecorded).
+// Admit implements Admitter (AdmitHolder without the holder).
 func (g *Guard) Admit(ctx context.Context, c fence.Credentials) error {
+	_, err := g.AdmitHolder(ctx, c)
+	return err
+}
+
+// AdmitHolder implements HolderAdmitter: the token must be the current token (of the mode)
+// of a held lock (and the holder session, when given), and the database's record
+// of Consul tokens must agree (admitRecorded). It returns the Consul session that
+// holds the lock, which the session's bind records in its own database
+// (fence.ConsulBindQuery).
+func (g *Guard) AdmitHolder(ctx context.Context, c fence.Credentials) (string, error) {
 	key, ok := g.keys[c.Resource]
 	if !ok {
-		return nil // a resource without a Consul key is ordered by the database alone
+		return "", nil // a resource without a Consul key is ordered by the database alone
 	}
 	st, err := g.watcher.Validate(ctx, key, c.Token, c.Session)
 	if err == nil {
-		return g.admitRecorded(ctx, c.Resource, key, c.Token, st.Session)
+		return st.Session, g.admitRecorded(ctx, c.Resource, key, c.Token, st.Session)
 	}
 	var re *lease.RegressionError
 	switch {
 	case errors.As(err, &re):
 		// Validate's own read can see a regression before the watch does: make it
-		// sticky (and recorded) at once.
+		// sticky (and recorded) at once. Blocked here too, before the answer: the
+		// sessions already bound must be refused before anyone learns of the regression.
 		g.watcher.Regress(key, re.Reason) //nolint:errcheck // the key is watched
-		return regressionError(c.Resource, re)
+		fe := regressionError(c.Resource, re)
+		g.reg.Block(c.Resource, fe)
+		return "", fe
 	case errors.Is(err, lease.ErrStale):
 		cur, _ := st.Current()
-		return fence.Stale(c.Resource, c.Token, cur)
+		return "", fence.Stale(c.Resource, c.Token, cur)
 	case errors.Is(err, lease.ErrNotIssued):
 		cur, _ := st.Current()
-		return fence.NotIssued(c.Resource, c.Token, cur)
+		return "", fence.NotIssued(c.Resource, c.Token, cur)
 	case errors.Is(err, lease.ErrNotHeld):
-		return fence.NotHeld(c.Resource, c.Token)
+		return "", fence.NotHeld(c.Resource, c.Token)
 	case errors.Is(err, lease.ErrSessionMismatch):
-		return fence.HolderMismatch(c.Resource, c.Session, st.Session)
+		return "", fence.HolderMismatch(c.Resource, c.Session, st.Session)
 	case errors.Is(err, lease.ErrUnavailable):
 		if g.downMode == ConsulDownTrustDatabase {
 			// The operator chose availability: the database's raise still
@@ -262,11 +284,23 @@ func (g *Guard) Admit(ctx context.Context, c fence.Credentials) error {
 			// never issued may be admitted (see the README).
 			g.log.Warn("consul unreachable: admitting token on the database's word (consul-down=trust-database)",
 				zap.String("resource", c.Resource), zap.Int64("token", c.Token))
-			return nil
+			return "", nil
 		}
-		return fence.Unavailable(c.Resource, "Consul's lock state is unknown ("+err.Error()+"); no token is admitted without Consul's word")
+		return "", fence.Unavailable(c.Resource, "Consul's lock state is unknown ("+err.Error()+"); no token is admitted without Consul's word")
 	}
-	return fence.Unavailable(c.Resource, err.Error())
+	return "", fence.Unavailable(c.Resource, err.Error())
+}
+
+// Judge decides for a session's bind what the record of its own database (fence.consul_admit,
+// in fence.ConsulBindQuery) means for tok, which Consul showed as current, held by holder; and
+// for a bind refused with ZF001 (rec.Token: the stored token), whether the session is stale or
+// Consul went back. See judge.
+func (g *Guard) Judge(ctx context.Context, res string, tok int64, holder string, rec fence.ConsulRecord) error {
+	key, ok := g.keys[res]
+	if !ok {
+		return fence.Unavailable(res, "not a Consul-validated resource")
+	}
+	return g.judge(ctx, res, key, tok, holder, rec)
 }
 
 // admitRecorded is the database's part of admitting tok, which Consul just showed as the
@@ -324,7 +358,9 @@ func (g *Guard) judge(ctx context.Context, res, key string, tok int64, holder st
 	if err != nil {
 		return fence.Unavailable(res, err.Error())
 	}
-	if cur >= rec.Token {
+	if !s.Exists || cur >= rec.Token {
+		// A deleted key (`consul lock` deletes it after each release) says nothing of a
+		// regression: only a key whose current token is below the recorded one does.
 		return fence.Stale(res, tok, rec.Token)
 	}
 	reason := fmt.Sprintf("the database admitted token %d (Consul session %q) but Consul's current token is %d: "+

@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -351,11 +352,44 @@ func (as Admitters) Admit(ctx context.Context, c fence.Credentials) error {
 	return nil
 }
 
+// AdmitHolder implements HolderAdmitter: the holder named by the Admitter that validates
+// resource, if it names one.
+func (as Admitters) AdmitHolder(ctx context.Context, c fence.Credentials) (string, error) {
+	holder := ""
+	for _, a := range as {
+		if ha, ok := a.(HolderAdmitter); ok {
+			h, err := ha.AdmitHolder(ctx, c)
+			if err != nil {
+				return "", err
+			}
+			holder = cmp.Or(holder, h)
+		} else if err := a.Admit(ctx, c); err != nil {
+			return "", err
+		}
+	}
+	return holder, nil
+}
+
+// Judge implements HolderAdmitter: the judgement of the Admitter that validates resource.
+func (as Admitters) Judge(ctx context.Context, resource string, token int64, holder string, rec fence.ConsulRecord) error {
+	for _, a := range as {
+		if ha, ok := a.(HolderAdmitter); ok && validates(a, resource) {
+			return ha.Judge(ctx, resource, token, holder, rec)
+		}
+	}
+	return fence.Unavailable(resource, "no admitter validates the resource against Consul")
+}
+
+func validates(a Admitter, resource string) bool {
+	v, ok := a.(interface{ Validates(string) bool })
+	return ok && v.Validates(resource)
+}
+
 // Validates reports whether one of the Admitters checks resource's tokens against Consul
 // (see session.admit).
 func (as Admitters) Validates(resource string) bool {
 	for _, a := range as {
-		if v, ok := a.(interface{ Validates(string) bool }); ok && v.Validates(resource) {
+		if validates(a, resource) {
 			return true
 		}
 	}

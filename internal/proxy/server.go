@@ -28,6 +28,20 @@ type Admitter interface {
 	Admit(ctx context.Context, c fence.Credentials) error
 }
 
+// HolderAdmitter is an Admitter that names the holder of the lock whose token it admitted
+// (the Guard: the Consul session). The session's bind then records (token, holder) in its own
+// database before it binds (fence.ConsulBindQuery), and asks Judge what a record that does
+// not admit them means: one token is admitted to one holder only, in every database, with or
+// without a control database.
+type HolderAdmitter interface {
+	Admitter
+	// AdmitHolder is Admit, returning the holder ("" when it names none: bind as usual).
+	AdmitHolder(ctx context.Context, c fence.Credentials) (holder string, err error)
+	// Judge says why the database's record rec refuses token of resource, shown held by
+	// holder (a stale token: ZF001; a number issued twice or gone back: ZF007).
+	Judge(ctx context.Context, resource string, token int64, holder string, rec fence.ConsulRecord) error
+}
+
 // Options are the optional collaborators of a Server. The zero value is valid.
 type Options struct {
 	// Logger receives the proxy's logs (nil: no logs).

@@ -52,6 +52,7 @@ type session struct {
 	mode          sessionMode
 	database      string // the database the session connects to (the registry's key, the proof's)
 	consulChecked bool   // the token was validated against Consul
+	holder        string // the lock's holder the admitter showed with the token ("" if none): recorded by the bind
 	sub           *fence.Subscription
 
 	// stale is set when a higher token was admitted for the session's
@@ -378,7 +379,13 @@ func (sess *session) admit(ctx context.Context) error {
 		return fatalFence(fence.Stale(cred.Resource, cred.Token, h))
 	}
 	if s.admit != nil {
-		if err := s.admit.Admit(ctx, cred); err != nil {
+		var err error
+		if ha, ok := s.admit.(HolderAdmitter); ok {
+			sess.holder, err = ha.AdmitHolder(ctx, cred)
+		} else {
+			err = s.admit.Admit(ctx, cred)
+		}
+		if err != nil {
 			if h := s.reg.Highest(sess.database, cred.Resource); h > cred.Token && !fence.IsRegression(err) {
 				// Stale whatever Consul's state (unknown during an outage): say so.
 				return fatalFence(fence.Stale(cred.Resource, cred.Token, h))
@@ -545,18 +552,17 @@ func (sess *session) bind(ctx context.Context) error {
 	if err := sess.admit(ctx); err != nil {
 		return err
 	}
-	c := sess.cred
 	if sess.pid == 0 {
 		return fatalf(fence.CodeUnavailable, "fenceproxy cannot bind the session: the server sent no BackendKeyData")
 	}
-	call, err := sess.srv.cfg.Key.BindCall(sess.database, c.Resource, c.Token, sess.pid)
+	query, args, err := sess.bindCall()
 	if err != nil {
 		return fatalf(fence.CodeMalformed, "%v", err)
 	}
 	msgs := []pgproto3.FrontendMessage{
 		&pgproto3.Query{String: bindStart},
-		&pgproto3.Parse{Query: fence.BindQuery},
-		&pgproto3.Bind{Parameters: call.Args()},
+		&pgproto3.Parse{Query: query},
+		&pgproto3.Bind{Parameters: args},
 		&pgproto3.Execute{},
 		&pgproto3.Sync{},
 		&pgproto3.Query{String: "COMMIT"},
@@ -574,7 +580,7 @@ func (sess *session) bind(ctx context.Context) error {
 	if err := sess.sw.Flush(); err != nil {
 		return err
 	}
-	var stored int64 = -1
+	var row [][]byte
 	var serverErr *pgproto3.ErrorResponse
 	for ready := 0; ready < 3; {
 		typ, _, err := sess.sr.Next()
@@ -594,11 +600,10 @@ func (sess *session) bind(ctx context.Context) error {
 		}
 		switch typ {
 		case 'D':
-			// One column, text format.
-			if len(body) >= 6 && binary.BigEndian.Uint16(body) == 1 {
-				n := int32(binary.BigEndian.Uint32(body[2:]))
-				if n > 0 && int(n) <= len(body)-6 {
-					stored, _ = strconv.ParseInt(string(body[6:6+n]), 10, 64)
+			var d pgproto3.DataRow
+			if d.Decode(body) == nil {
+				for _, v := range d.Values { // they alias the reader's buffer
+					row = append(row, bytes.Clone(v))
 				}
 			}
 		case 'E':
@@ -614,7 +619,7 @@ func (sess *session) bind(ctx context.Context) error {
 		}
 		// Notices and the other answers of our own statements are not the client's business.
 	}
-	err = sess.bound(stored, serverErr)
+	err = sess.bound(ctx, row, serverErr)
 	outcome := "bound"
 	if err != nil {
 		outcome = "refused"
@@ -633,17 +638,35 @@ func (sess *session) cancelBackend() {
 	}
 }
 
-// bound judges the bind's outcome.
-func (sess *session) bound(stored int64, serverErr *pgproto3.ErrorResponse) error {
+// bindCall is the bind's statement and its parameters: with the holder's record
+// (fence.ConsulBindQuery) when the admitter named the lock's holder.
+func (sess *session) bindCall() (string, [][]byte, error) {
+	c, k := sess.cred, sess.srv.cfg.Key
+	if sess.holder != "" {
+		args, err := k.ConsulBindCall(sess.database, c.Resource, c.Token, sess.holder, sess.pid)
+		return fence.ConsulBindQuery, args, err
+	}
+	call, err := k.BindCall(sess.database, c.Resource, c.Token, sess.pid)
+	return fence.BindQuery, call.Args(), err
+}
+
+// bound judges the bind's outcome: row is the bind statement's row (nil: none).
+func (sess *session) bound(ctx context.Context, row [][]byte, serverErr *pgproto3.ErrorResponse) error {
 	c := sess.cred
+	judge, _ := sess.srv.admit.(HolderAdmitter)
 	if serverErr != nil {
-		if serverErr.Code == fence.CodeStale && sess.consulChecked {
-			// Consul just said this token is the current LockIndex, yet the
-			// database admitted a higher one: Consul's numbers went backwards
-			// (key re-created, plain PUT, snapshot restore). Fail closed and say so.
-			fe := fence.Regression(c.Resource, fmt.Sprintf("Consul's current LockIndex is %d but the database already admitted a higher token (%s)", c.Token, serverErr.Message))
-			sess.log.Error("failing closed: stored token above Consul's LockIndex", zap.String("database_said", serverErr.Message))
-			return fatalFence(fe)
+		if serverErr.Code == fence.CodeStale && sess.consulChecked && judge != nil {
+			// Consul said this token was current, yet the database admitted a higher
+			// one: a hand-over since Consul's answer (stale, ZF001), or Consul's numbers
+			// went backwards (ZF007). A consistent read made now tells them apart;
+			// taking every such refusal for a regression told stale holders of quick
+			// hand-overs ZF007.
+			err := judge.Judge(ctx, c.Resource, c.Token, sess.holder, fence.ConsulRecord{Token: storedOf(serverErr.Message, c.Token)})
+			var fe *fence.Error
+			if errors.As(err, &fe) {
+				return fatalFence(fe)
+			}
+			return fatalFence(fence.Unavailable(c.Resource, fmt.Sprint(err)))
 		}
 		if strings.HasPrefix(serverErr.Code, "ZF") {
 			return &fatal{resp: &pgproto3.ErrorResponse{Severity: wire.SeverityFatal, Code: serverErr.Code,
@@ -651,6 +674,31 @@ func (sess *session) bound(stored int64, serverErr *pgproto3.ErrorResponse) erro
 		}
 		return fatalf(fence.CodeUnavailable, "fenceproxy could not bind the session to fencing token %d of resource %q: %s (SQLSTATE %s); is the fence schema at version 4 in this database (fenceproxy migrate) and may this role execute fence.bind?",
 			c.Token, c.Resource, serverErr.Message, serverErr.Code)
+	}
+	stored := int64(-1)
+	if sess.holder != "" {
+		// recorded, recorded holder, regression, stored (ConsulBindQuery)
+		if len(row) != 4 {
+			return fatalf(fence.CodeUnavailable, "fenceproxy could not read the database's record of Consul tokens for resource %q (fence schema version 8: fenceproxy migrate)", c.Resource)
+		}
+		rec := fence.ConsulRecord{Holder: string(row[1]), Regression: string(row[2])}
+		rec.Token, _ = strconv.ParseInt(string(row[0]), 10, 64)
+		if !rec.Admits(c.Token, sess.holder) {
+			if judge == nil {
+				return fatalFence(fence.Unavailable(c.Resource, "the database's record of Consul tokens does not admit the token"))
+			}
+			var fe *fence.Error
+			if err := judge.Judge(ctx, c.Resource, c.Token, sess.holder, rec); errors.As(err, &fe) {
+				return fatalFence(fe)
+			} else if err != nil {
+				return fatalFence(fence.Unavailable(c.Resource, err.Error()))
+			}
+			return fatalFence(fence.Unavailable(c.Resource, "the database's record of Consul tokens does not admit the token"))
+		}
+		row = row[3:]
+	}
+	if len(row) == 1 && row[0] != nil {
+		stored, _ = strconv.ParseInt(string(row[0]), 10, 64)
 	}
 	if stored < 0 {
 		return fatalf(fence.CodeUnavailable, "fenceproxy could not read the stored token for resource %q", c.Resource)
@@ -714,4 +762,15 @@ func (sess *session) shutdownWhenIdle() {
 func (sess *session) shutdownError() *pgproto3.ErrorResponse {
 	return &pgproto3.ErrorResponse{Severity: wire.SeverityFatal, Code: wire.CodeAdminShutdown,
 		Message: "terminating connection because fenceproxy is shutting down"}
+}
+
+// storedOf reads the stored token from fence.bind's ZF001 message ("... lower than the highest
+// admitted token N"); token+1 (some higher token) when it cannot.
+func storedOf(message string, token int64) int64 {
+	if i := strings.LastIndexByte(message, ' '); i >= 0 {
+		if n, err := strconv.ParseInt(message[i+1:], 10, 64); err == nil && n > token {
+			return n
+		}
+	}
+	return token + 1
 }

@@ -3,6 +3,7 @@ package testenv
 import (
 	"bytes"
 	"context"
+	"crypto/rand"
 	"errors"
 	"fmt"
 	"io"
@@ -37,6 +38,9 @@ type Consul struct {
 	DataDir string
 	LogFile string
 	Bin     string
+	// ManagementToken is the ACL bootstrap token of an agent started with ACLs on
+	// (StartConsulACL; "": ACLs off). Client and NewClient use it.
+	ManagementToken string
 
 	ports consulPorts
 	base  string
@@ -107,9 +111,22 @@ func consulCachePath() (string, error) {
 // use 10 s like everyone else.
 func StartConsul(tb testing.TB) *Consul {
 	tb.Helper()
+	return startConsul(tb, false)
+}
+
+// StartConsulACL is StartConsul with ACLs on, as production clusters run: default policy
+// deny, and a bootstrap (initial management) token in ManagementToken. Anonymous requests
+// and tokens without a policy get 403.
+func StartConsulACL(tb testing.TB) *Consul {
+	tb.Helper()
+	return startConsul(tb, true)
+}
+
+func startConsul(tb testing.TB, acl bool) *Consul {
+	tb.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), consulStartTimeout)
 	defer cancel()
-	c, err := LaunchConsul(ctx)
+	c, err := launchConsul(ctx, acl)
 	if err != nil {
 		tb.Fatalf("testenv: %v", err)
 	}
@@ -129,11 +146,20 @@ func StartConsul(tb testing.TB) *Consul {
 // LaunchConsul is StartConsul for programs that are not tests: it returns an error instead
 // of failing a test, and the caller must Close the agent.
 func LaunchConsul(ctx context.Context) (*Consul, error) {
+	return launchConsul(ctx, false)
+}
+
+func launchConsul(ctx context.Context, acl bool) (*Consul, error) {
 	bin, err := FindConsulBinary()
 	if err != nil {
 		return nil, err
 	}
 	c := &Consul{Bin: bin}
+	if acl {
+		if c.ManagementToken, err = randomUUID(); err != nil {
+			return nil, err
+		}
+	}
 	base, err := os.MkdirTemp("", "fenceproxy-consul-")
 	if err != nil {
 		return nil, err
@@ -174,7 +200,14 @@ func (c *Consul) pickPorts() error {
 }
 
 func (c *Consul) args() []string {
-	return []string{
+	var acl []string
+	if c.ManagementToken != "" {
+		acl = []string{"-hcl", fmt.Sprintf(`acl { enabled = true
+			default_policy = "deny"
+			enable_token_persistence = true
+			tokens { initial_management = %q } }`, c.ManagementToken)}
+	}
+	return append([]string{
 		"agent",
 		"-server", "-bootstrap-expect=1",
 		"-node=fenceproxy-test",
@@ -192,7 +225,18 @@ func (c *Consul) args() []string {
 		"-hcl", `performance { raft_multiplier = 1 }`,
 		"-hcl", `session_ttl_min = "1s"`,
 		"-hcl", `disable_update_check = true`,
+	}, acl...)
+}
+
+// randomUUID is a random (version 4) UUID, the form Consul wants for ACL tokens.
+func randomUUID() (string, error) {
+	var b [16]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		return "", err
 	}
+	b[6] = b[6]&0x0f | 0x40
+	b[8] = b[8]&0x3f | 0x80
+	return fmt.Sprintf("%x-%x-%x-%x-%x", b[0:4], b[4:6], b[6:8], b[8:10], b[10:]), nil
 }
 
 // start launches the agent and waits until it serves consistent reads.
@@ -243,7 +287,7 @@ func (c *Consul) start(ctx context.Context) error {
 // waitReady polls until the agent knows a leader and a consistent KV read succeeds: a
 // leader is elected some time before it has established its barrier and serves reads.
 func (c *Consul) waitReady(ctx context.Context, exited <-chan struct{}) error {
-	client, err := api.NewClient(&api.Config{Address: c.Addr, Scheme: "http"})
+	client, err := api.NewClient(&api.Config{Address: c.Addr, Scheme: "http", Token: c.ManagementToken})
 	if err != nil {
 		return err
 	}
@@ -399,7 +443,7 @@ func (c *Consul) Client(tb testing.TB) *api.Client {
 
 // NewClient is Client returning an error.
 func (c *Consul) NewClient() (*api.Client, error) {
-	client, err := api.NewClient(&api.Config{Address: c.Addr, Scheme: "http", Token: ""})
+	client, err := api.NewClient(&api.Config{Address: c.Addr, Scheme: "http", Token: c.ManagementToken})
 	if err != nil {
 		return nil, fmt.Errorf("consul client: %w", err)
 	}

@@ -1,4 +1,4 @@
--- The fence schema as the migrations install it (version 7: sessions bound to tokens, leases, history, Consul's record): objects,
+-- The fence schema as the migrations install it (version 8: sessions bound to tokens, leases, history, Consul's record and its deposition): objects,
 -- types, constraints, function properties and privileges; the version-1 commit-time check is
 -- gone. What PUBLIC may do is shown by running as such a role in 40_grants.sql.
 \ir _psql.psql
@@ -17,8 +17,8 @@ SELECT has_table('fence', 'bindings', 'fence.bindings exists');
 SELECT has_table('fence', 'keys', 'fence.keys exists');
 SELECT has_table('fence', 'goose_db_version', 'goose keeps its version table in the fence schema');
 SELECT hasnt_table('public', 'goose_db_version', 'no goose version table in public');
-SELECT is((SELECT max(version_id) FROM fence.goose_db_version WHERE is_applied), 7::bigint,
-    'the schema is at version 7');
+SELECT is((SELECT max(version_id) FROM fence.goose_db_version WHERE is_applied), 8::bigint,
+    'the schema is at version 8');
 
 -- fence.tokens (version 1, unchanged).
 SELECT col_type_is('fence', 'tokens', 'resource', 'text', 'tokens.resource is text');
@@ -85,8 +85,8 @@ SELECT function_returns('fence', 'raise', ARRAY['text', 'bigint', 'text'], 'bigi
 SELECT function_returns('fence', 'reset', ARRAY['text', 'bigint'], 'bigint');
 SELECT function_returns('fence', 'settled', ARRAY['text', 'bigint', 'text'], 'bigint');
 SELECT function_returns('fence', 'proof', ARRAY['text', 'text', 'bigint', 'integer'], 'text');
-SELECT is((SELECT count(*) FROM pg_proc WHERE pronamespace = 'fence'::regnamespace), 19::bigint,
-    'the fence schema holds exactly nineteen functions');
+SELECT is((SELECT count(*) FROM pg_proc WHERE pronamespace = 'fence'::regnamespace), 20::bigint,
+    'the fence schema holds exactly twenty functions');
 SELECT is(array_agg(p.oid::regprocedure::text ORDER BY p.oid::regprocedure::text), NULL,
     'every fence function is SECURITY DEFINER')
 FROM pg_proc AS p WHERE p.pronamespace = 'fence'::regnamespace AND NOT p.prosecdef

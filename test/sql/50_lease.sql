@@ -6,7 +6,7 @@
 \ir _psql.psql
 
 BEGIN;
-SELECT plan(63);
+SELECT plan(66);
 \ir _helpers.psql
 
 CREATE ROLE tap_nobody_lease NOLOGIN;
@@ -69,7 +69,12 @@ SELECT cmp_ok((SELECT expires_at FROM fence.leases WHERE resource = 'tap-lease')
     '... expiring ttl from now by the server''s clock');
 SELECT is(pg_temp.acquire('a', 'tap-lease', 'h2', '10 s'), 'false 1 h1', 'another holder is refused while it is held');
 SELECT is(pg_temp.lease('tap-lease'), 'h1 1 true', '... and nothing changes');
-SELECT is(pg_temp.acquire('a', 'tap-lease', 'h1', '10 s'), 'true 2 h1', 'the same holder acquires again, with the next generation');
+-- (L1', migration 8) A lease is won only by winning it: naming its holder takes nothing.
+SELECT is(pg_temp.acquire('a', 'tap-lease', 'h1', '10 s'), 'false 1 h1',
+    'the lock role naming the current holder does not take its lease (nor a new generation)');
+SELECT is(pg_temp.stored('tap-lease'), 1::bigint, '... and nothing is admitted');
+SELECT pg_temp.release('a', 'tap-lease', 'h1', 1) \g /dev/null
+SELECT is(pg_temp.acquire('a', 'tap-lease', 'h1', '10 s'), 'true 2 h1', 'released, it is won again with the next generation');
 SELECT is(pg_temp.stored('tap-lease'), 2::bigint, '... admitted too');
 
 -- Renew (L4): the holder of the current generation only.
@@ -110,6 +115,9 @@ SELECT throws_ok($$SELECT pg_temp.renew('a', 'tap-lease', 'h1', 1, '1200 mon -35
     '... in a renewal too');
 SELECT throws_ok($$SELECT pg_temp.renew('a', 'tap-lease', 'h2', 3, '48 hours')$$, 'ZF004', NULL, '... also for a renewal');
 SELECT throws_ok($$SELECT pg_temp.acquire('a', 'tap-lease', '', '10 s')$$, 'ZF004', NULL, 'an empty holder is ZF004');
+SELECT throws_ok(format('SELECT pg_temp.acquire(%L, %L, %L, %L)', 'a', 'tap-lease', E'h\x1b[2Jx', '10 s'), 'ZF004',
+    'malformed lease holder: ''h?[2Jx'' (a holder is 1 to 200 characters, none of them control characters)',
+    'a holder with control characters is ZF004 (L7, migration 8), and the message does not echo them');
 SELECT throws_ok($$SELECT pg_temp.acquire('a', 'Tap', 'h1', '10 s')$$, 'ZF004', NULL, 'a malformed resource is ZF004');
 
 -- Nobody forges a generation (L5): the application role may not campaign, and no role but the

@@ -49,6 +49,7 @@ SELECT pg_temp.remote('adm', $$SELECT fence.reset('tap-hist', 4)::text$$) \g /de
 SELECT is((pg_temp.history('tap-hist'))[4:], ARRAY['4 7 true - postgres -'], 'fence.reset is recorded, lowering too');
 
 SELECT pg_temp.remote('adm', $$SELECT generation::text FROM fence.lease_acquire('tap-hist-lease', 'worker-1', '30 seconds')$$) \g /dev/null
+SELECT pg_temp.remote('adm', $$SELECT fence.lease_release('tap-hist-lease', 'worker-1', 1)::text$$) \g /dev/null
 SELECT pg_temp.remote('adm', $$SELECT generation::text FROM fence.lease_acquire('tap-hist-lease', 'worker-1', '30 seconds')$$) \g /dev/null
 SELECT is(pg_temp.history('tap-hist-lease'), ARRAY['1 0 false - postgres worker-1', '2 1 false - postgres worker-1'],
     'each lease acquisition is recorded with its holder');

@@ -5,7 +5,7 @@
 \ir _psql.psql
 
 BEGIN;
-SELECT plan(26);
+SELECT plan(33);
 \ir _helpers.psql
 
 CREATE ROLE tap_nobody_consul NOLOGIN;
@@ -35,7 +35,7 @@ $$;
 SELECT has_table('fence', 'consul_tokens', 'fence.consul_tokens exists');
 SELECT col_is_pk('fence', 'consul_tokens', 'resource', 'consul_tokens.resource is the primary key');
 SELECT table_privs_are('fence', 'consul_tokens', 'tap_nobody_consul', ARRAY['SELECT'], 'PUBLIC may only read fence.consul_tokens');
-SELECT is(array_agg(p.proname::text ORDER BY p.proname), ARRAY['consul_admit', 'consul_regress'],
+SELECT is(array_agg(p.proname::text ORDER BY p.proname), ARRAY['consul_admit', 'consul_depose', 'consul_regress'],
     'the Consul functions are SECURITY DEFINER with search_path pinned to pg_catalog, pg_temp')
 FROM pg_proc AS p
 WHERE p.pronamespace = 'fence'::regnamespace AND p.proname LIKE 'consul%' AND p.prosecdef
@@ -80,17 +80,33 @@ SELECT is(pg_temp.regress('p1', 'tap-consul-b', 3, 'LockIndex went from 3 to 0')
     'fence.consul_regress records a regression for a resource without a row');
 SELECT is(pg_temp.admit('p2', 'tap-consul-b', 3, 's1'), '0  true', 'and admissions answer with it');
 
+-- (C5, migration 8) A second holder of the recorded token deposes the first: the backends
+-- bound to that token (or a lower one) are ended before the regression commits.
+SELECT function_privs_are('fence', 'consul_depose', ARRAY['text', 'bigint'], 'tap_nobody_consul', ARRAY[]::text[],
+    'PUBLIC may not execute fence.consul_depose');
+SELECT is(pg_temp.admit('p1', 'tap-consul-c', 4, 's1'), '4 s1 false', 'token 4 admitted for s1');
+SELECT pg_temp.connect('s1a', 'tap_consul') \g /dev/null
+SELECT is(pg_temp.bind('s1a', 'tap-consul-c', 4), 4::bigint, '... and a session of s1 bound to it');
+SELECT pg_temp.remote_pid('s1a') AS s1a_pid \gset
+SELECT is(pg_temp.admit('p2', 'tap-consul-c', 4, 's1'), '4 s1 false', 'the recorded holder again: admitted (the shared path)');
+SELECT is(pg_temp.admit('p2', 'tap-consul-c', 4, 's2'), '4 s1 true', 'token 4 now shown held by s2: a regression');
+SELECT is(pg_temp.alive(:s1a_pid), false, '... and the session bound to token 4 was ended before it committed');
+SELECT is((SELECT holder FROM fence.history WHERE resource = 'tap-consul-c' ORDER BY id DESC LIMIT 1),
+    'consul session s1', 'the history names the Consul session a raise admitted (migration 8)');
+
 -- fence.reset is the way out (not granted to PUBLIC).
 SELECT function_privs_are('fence', 'reset', ARRAY['text', 'bigint'], 'tap_nobody_consul', ARRAY[]::text[],
     'PUBLIC may not execute fence.reset');
-SELECT is(pg_temp.remote(pg_temp.connstr('postgres'), $$SELECT fence.reset('tap-consul', 8)::text$$)::text, NULL,
-    'fence.reset of the resource (no token stored before: NULL)');
+SELECT is(pg_temp.remote(pg_temp.connstr('postgres'), $$SELECT fence.reset('tap-consul', 8)::text$$)::text, '0',
+    'fence.reset of the resource (no token stored before: 0, the row the deposition locked)');
 SELECT is(pg_temp.regression_of('tap-consul'), NULL, 'fence.reset forgets the Consul row');
 SELECT is(pg_temp.admit('p1', 'tap-consul', 8, 's4'), '8 s4 false', 'after the reset, the current holder is admitted');
 
 SELECT dblink_exec(pg_temp.connstr('postgres'), $$
     DELETE FROM fence.consul_tokens WHERE resource LIKE 'tap-consul%';
     DELETE FROM fence.tokens WHERE resource LIKE 'tap-consul%';
+    DELETE FROM fence.bindings WHERE resource LIKE 'tap-consul%';
+    DELETE FROM fence.history WHERE resource LIKE 'tap-consul%';
 $$) \g /dev/null
 SELECT * FROM finish();
 ROLLBACK;
