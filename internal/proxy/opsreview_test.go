@@ -1,0 +1,88 @@
+package proxy_test
+
+import (
+	"fmt"
+	"net"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+
+	"github.com/fenceproxy/fenceproxy/internal/proxy"
+	"github.com/fenceproxy/fenceproxy/internal/testenv"
+)
+
+// TestOperationsReview holds the regressions of an adversarial review of operations (issue
+// 13's), on one cluster: each subtest starts its own proxy.
+func TestOperationsReview(t *testing.T) {
+	t.Parallel()
+	pg, admin := fencedDB(t)
+
+	// A fenced client that closes (FIN) or half-closes before reading anything, or pipelines
+	// a Terminate with its startup, leaves the proxy to bind its backend and then fail to
+	// write the ReadyForQuery: the session was counted in its resource's sessions per token
+	// and must be uncounted too.
+	t.Run("sessions per token after a client gone before ReadyForQuery", func(t *testing.T) {
+		p := fencedProxy(t, pg)
+		startup := startupPacket(196608, "user", "app", "database", "postgres", "fence.resource", "billing", "fence.token", "5")
+		terminate := []byte{'X', 0, 0, 0, 4}
+		hows := []string{"close", "shutdown(SHUT_WR)", "Terminate pipelined, close"}
+		const tries = 3
+		for _, how := range hows {
+			for range tries {
+				c, err := net.DialTimeout("tcp", net.JoinHostPort(p.Host, strconv.Itoa(p.Port)), 5*time.Second)
+				if err != nil {
+					t.Fatal(err)
+				}
+				msg := startup
+				if how == "Terminate pipelined, close" {
+					msg = append(append([]byte(nil), startup...), terminate...)
+				}
+				if _, err := c.Write(msg); err != nil {
+					t.Fatal(err)
+				}
+				if how == "shutdown(SHUT_WR)" {
+					c.(*net.TCPConn).CloseWrite() //nolint:errcheck
+				}
+				c.Close()
+			}
+		}
+		// Each bind happens whatever the client did (the proxy reads nothing of it then);
+		// once all are done, stopping the proxy waits for every session's end.
+		waitFor(t, "every bind done", func() (bool, string) {
+			var m dto.Metric
+			p.Metrics.BindSeconds.WithLabelValues("bound").(prometheus.Histogram).Write(&m) //nolint:errcheck
+			n := m.GetHistogram().GetSampleCount()
+			return n == uint64(len(hows)*tries), fmt.Sprint(n, " bound")
+		})
+		p.Stop(t)
+		if n := p.Registry.Sessions("billing"); n != 0 {
+			t.Fatalf("%d sessions of billing counted after every client went and the proxy stopped", n)
+		}
+		if s := p.Server.Status(ctxT(t)).Resources[0]; s.Resource != "billing" || len(s.Sessions) != 0 {
+			t.Fatalf("/status shows %+v after every client went", s)
+		}
+	})
+	_ = admin
+	_ = proxy.Config{}
+	_ = testenv.Key
+}
+
+// waitFor polls cond every 50 ms for up to a minute (the machine may be loaded), and fails
+// the test with cond's last word after that.
+func waitFor(t *testing.T, what string, cond func() (bool, string)) {
+	t.Helper()
+	deadline := time.Now().Add(time.Minute)
+	for {
+		ok, last := cond()
+		if ok {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: not within a minute; last: %s", what, last)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
