@@ -4,14 +4,15 @@ import (
 	"fmt"
 	"net"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 
+	"github.com/fenceproxy/fenceproxy/internal/fence"
 	"github.com/fenceproxy/fenceproxy/internal/proxy"
-	"github.com/fenceproxy/fenceproxy/internal/testenv"
 )
 
 // TestOperationsReview holds the regressions of an adversarial review of operations (issue
@@ -65,9 +66,28 @@ func TestOperationsReview(t *testing.T) {
 			t.Fatalf("/status shows %+v after every client went", s)
 		}
 	})
-	_ = admin
-	_ = proxy.Config{}
-	_ = testenv.Key
+
+	// fence reset to a token above an open session's is a raise: the session's next statement
+	// gets ZF001 with the reset's token, not the server's 57P01, whether the proxy hears the
+	// reset's notification first or asks the database (fence.settled) when the backend ends.
+	t.Run("reset to a higher token is a raise", func(t *testing.T) {
+		p := fencedProxy(t, pg, func(c *proxy.Config) { c.ControlDatabase = pg.AdminURL() })
+		s := connect(t, p.FenceURL("app", "postgres", "other", 130))
+		mustExec(t, admin, "SELECT fence.reset('other', 200)")
+		_, err := s.Exec(ctxT(t), "SELECT 1")
+		wantCode(t, err, fence.CodeStale)
+		if pe := pgErrorOf(err); pe == nil || !strings.Contains(pe.Message+pe.Detail, "200") {
+			t.Fatalf("the stale session's error does not name the reset's token 200: %v", err)
+		}
+		waitFor(t, "the reset seen as a leader change", func() (bool, string) {
+			for _, l := range p.Registry.Leaders() {
+				if l.Resource == "other" {
+					return l.Token == 200 && l.Changes == 1, fmt.Sprintf("%+v", l)
+				}
+			}
+			return false, "no leader of other"
+		})
+	})
 }
 
 // waitFor polls cond every 50 ms for up to a minute (the machine may be loaded), and fails
