@@ -13,6 +13,7 @@ import (
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
 	"github.com/fenceproxy/fenceproxy/internal/proxy"
+	"github.com/fenceproxy/fenceproxy/internal/testenv"
 )
 
 // TestOperationsReview holds the regressions of an adversarial review of operations (issue
@@ -87,6 +88,30 @@ func TestOperationsReview(t *testing.T) {
 			}
 			return false, "no leader of other"
 		})
+	})
+
+	// A reload that gives a plain resource a Consul key cannot apply it without a restart, and
+	// keeps the resource as it was: it must not remove it.
+	t.Run("reload adding a Consul key keeps the resource", func(t *testing.T) {
+		p := fencedProxy(t, pg)
+		cfg := proxy.Config{Listen: net.JoinHostPort(p.Host, strconv.Itoa(p.Port)), Key: testenv.Key,
+			Upstream:  "postgres://" + net.JoinHostPort(pg.Host, strconv.Itoa(pg.Port)),
+			Resources: []string{"billing", "other=locks/other"}}
+		applied, skipped, err := p.Server.Reload(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(applied) != 0 || len(skipped) != 1 || !strings.Contains(skipped[0], "other=locks/other") || !strings.Contains(skipped[0], "stays as it is") {
+			t.Fatalf("reload: applied %q, not applied %q", applied, skipped)
+		}
+		connect(t, p.FenceURL("app", "postgres", "other", 300)).Close(ctxT(t))
+		var names []string
+		for _, r := range p.Server.Status(ctxT(t)).Resources {
+			names = append(names, r.Resource)
+		}
+		if fmt.Sprint(names) != "[billing other]" {
+			t.Fatalf("/status lists %v after the reload, want [billing other]", names)
+		}
 	})
 }
 
