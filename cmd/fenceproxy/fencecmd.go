@@ -152,11 +152,14 @@ func (f *FenceShowCmd) Run(ctx context.Context) error {
 type FenceResetCmd struct {
 	Database string `help:"Database URL of a role allowed to execute fence.reset (directly to PostgreSQL)." required:""`
 	Resource string `help:"Resource name." required:""`
-	Token    int64  `help:"The token to store (normally the lock's current LockIndex in Consul)." required:""`
+	Token    int64  `help:"The token to store, 1 or more (normally the lock's current LockIndex in Consul)." required:""`
 }
 
 // Run resets the token.
 func (f *FenceResetCmd) Run(ctx context.Context, log *zap.Logger) error {
+	if f.Token <= 0 {
+		return fmt.Errorf("fence reset --token %d: a fencing token is a positive integer (1 or more)", f.Token)
+	}
 	conn, err := pgx.Connect(ctx, f.Database)
 	if err != nil {
 		return err

@@ -342,6 +342,7 @@ func TestUsageErrors(t *testing.T) {
 		{"missing key file", serve("--resource", "billing", "--key-file", filepath.Join(dir, "missing.key")), 1, "missing.key"},
 		{"malformed key file", serve("--resource", "billing", "--key-file", badKey), 1, "not hex"},
 		{"config key given twice", serve("--config", twice), 2, `configuration key "key`},
+		{"fence reset to token 0", []string{"fence", "reset", "--database", "postgres://127.0.0.1:1/app", "--resource", "billing", "--token", "0"}, 1, "positive integer"},
 		{"migrate without a database", []string{"migrate", "--key-file", filepath.Join(dir, "k")}, 2, "database"},
 	}
 	for _, tt := range tests {

@@ -163,18 +163,33 @@ func (r *Registry) Observe(database, resource string, token int64) {
 		e.highest[database] = token
 	}
 	change, onChange := e.noteLeader(resource, token), r.onChange
-	type stale struct {
-		s        *Subscription
-		admitted int64
-	}
-	var fire []stale
+	fire := e.staleSubs()
+	r.mu.Unlock()
+	r.tell(fire, change, onChange)
+}
+
+// staleSub is a subscriber to tell that admitted made it stale.
+type staleSub struct {
+	s        *Subscription
+	admitted int64
+}
+
+// staleSubs marks the subscribers of e below their database's highest token as told (under
+// r.mu) and returns them.
+func (e *entry) staleSubs() []staleSub {
+	var fire []staleSub
 	for s := range e.subs {
 		if top := e.top(s.database); !s.fired && s.token < top {
 			s.fired = true
-			fire = append(fire, stale{s, top})
+			fire = append(fire, staleSub{s, top})
 		}
 	}
-	r.mu.Unlock()
+	return fire
+}
+
+// tell calls, outside the registry's lock, the stale subscribers' handlers and then
+// onChange with change (each when not nil).
+func (r *Registry) tell(fire []staleSub, change *Change, onChange func(Change)) {
 	for _, f := range fire {
 		if f.s.h.Stale != nil {
 			f.s.h.Stale(f.admitted)
@@ -219,11 +234,13 @@ func (r *Registry) Blocked(resource string) *Error {
 
 // Reset forgets what is known about resource in database and sets it to token, even if
 // lower; what Consul said of it is forgotten too. It follows fence.reset, the operator's way
-// out after a LockIndex regression.
+// out after a LockIndex regression. A reset to a higher token is a raise (fence.reset ended
+// the backends of lower tokens): the subscribers below it are told they are stale, and a
+// leader moving up is a Change, as with Observe.
 func (r *Registry) Reset(database, resource string, token int64) {
 	r.mu.Lock()
-	defer r.mu.Unlock()
 	e := r.get(resource)
+	from := e.leader
 	e.highest[database] = token
 	e.global = 0
 	e.leader = 0
@@ -231,6 +248,14 @@ func (r *Registry) Reset(database, resource string, token int64) {
 		e.leader = max(e.leader, t)
 	}
 	e.since, e.holder = time.Now(), ""
+	var change *Change
+	if from != 0 && e.leader > from {
+		e.changes++
+		change = &Change{Resource: resource, From: from, To: e.leader, At: e.since}
+	}
+	fire, onChange := e.staleSubs(), r.onChange
+	r.mu.Unlock()
+	r.tell(fire, change, onChange)
 }
 
 // Highest returns the highest token known for resource in database (0: none).

@@ -49,7 +49,14 @@ func (w *Watchdog) validate() error {
 	if w.Timeout <= 0 {
 		return fmt.Errorf("lease: RunLocked: Watchdog timeout %s: want > 0", w.Timeout)
 	}
-	return nil
+	// What arm will do, before campaigning: a file that cannot be created or written (its
+	// folder missing, not writable) must fail the start, not the leader that just won
+	// (raising the token and ending the previous holder's sessions for nothing).
+	f, err := os.OpenFile(w.File, os.O_WRONLY|os.O_CREATE, 0o644)
+	if err != nil {
+		return fmt.Errorf("lease: RunLocked: Watchdog file: %w", err)
+	}
+	return f.Close()
 }
 
 // arm touches the file and watches it until ctx ends; the returned channel is closed when

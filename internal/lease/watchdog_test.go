@@ -74,11 +74,17 @@ func TestWatchdog(t *testing.T) {
 
 	t.Run("invalid", func(t *testing.T) {
 		t.Parallel()
-		for _, w := range []lease.Watchdog{{File: "", Timeout: time.Second}, {File: "x", Timeout: 0}} {
-			err := lease.RunLocked(testCtx(t), lease.RunConfig{Store: &lease.PostgresStore{URL: url}, Resource: "r", Command: []string{"true"}, Watchdog: &w})
+		// A file in a missing folder fails before the campaign: the lease is never won.
+		missing := filepath.Join(t.TempDir(), "missing", "progress")
+		for _, w := range []lease.Watchdog{{File: "", Timeout: time.Second}, {File: "x", Timeout: 0}, {File: missing, Timeout: time.Second}} {
+			err := lease.RunLocked(testCtx(t), lease.RunConfig{Store: &lease.PostgresStore{URL: url}, Resource: "unwatched", Command: []string{"true"}, Watchdog: &w})
 			if err == nil || !strings.Contains(err.Error(), "Watchdog") {
 				t.Errorf("%+v: %v, want a configuration error", w, err)
 			}
+		}
+		var n int
+		if err := conn.QueryRow(testCtx(t), "SELECT count(*) FROM fence.leases WHERE resource = 'unwatched'").Scan(&n); err != nil || n != 0 {
+			t.Errorf("lease rows of unwatched after the refused starts: %d (%v), want none", n, err)
 		}
 	})
 }

@@ -29,7 +29,8 @@ func (s *Server) conf() *live { return s.live.Load() }
 
 // Reload applies what can change without a restart from cfg, the configuration read again
 // from the same sources as at startup: the resources (except those validated against
-// Consul, whose watches start with the proxy), max-clients, login-timeout, unfenced,
+// Consul, whose watches start with the proxy: adding, removing or changing a Consul key
+// needs a restart and keeps the resource as it was until then), max-clients, login-timeout, unfenced,
 // shutdown-grace and the flapping thresholds. Open sessions go on as they are, and a
 // session of a resource the reload removes keeps its binding (the database still fences
 // it). It returns what it changed and what it could not apply (needing a restart); an
@@ -76,9 +77,17 @@ func (s *Server) Reload(cfg Config) (applied, skipped []string, err error) {
 			res = append(res, r)
 			continue
 		}
-		if !slices.Contains(old.resources, r) {
-			skipped = append(skipped, fmt.Sprintf("resource %s=%s (a resource validated against Consul needs a restart)", r.Name, r.Key))
+		if slices.Contains(old.resources, r) {
+			continue
 		}
+		// A change that needs a restart keeps the resource as it was: a plain resource that
+		// gains a Consul key stays plain (not removed) until the restart.
+		if i := slices.IndexFunc(cur.resources, func(x Resource) bool { return x.Name == r.Name && x.Key == "" }); i >= 0 {
+			res = append(res, cur.resources[i])
+			skipped = append(skipped, fmt.Sprintf("resource %s=%s (a resource validated against Consul needs a restart; %s stays as it is until then)", r.Name, r.Key, r.Name))
+			continue
+		}
+		skipped = append(skipped, fmt.Sprintf("resource %s=%s (a resource validated against Consul needs a restart)", r.Name, r.Key))
 	}
 	for _, r := range old.resources {
 		if r.Key != "" && !slices.Contains(n.resources, r) {

@@ -120,6 +120,10 @@ func (s *Server) handle(ctx context.Context, conn net.Conn) {
 	n := s.clients.Add(1)
 	defer s.clients.Add(-1)
 	defer conn.Close()
+	// The subscription (what counts the session in its resource's sessions per token) is
+	// made by bind, and the start may still fail after it (the client gone before its
+	// ReadyForQuery): every exit from here closes it.
+	defer func() { sess.sub.Close() }()
 
 	err := sess.start(ctx, n)
 	if err != nil {
@@ -152,7 +156,6 @@ func (s *Server) handle(ctx context.Context, conn net.Conn) {
 	defer s.metrics.sessions(-1)
 	s.track(sess, true)
 	defer s.track(sess, false)
-	defer sess.sub.Close()
 	err = sess.relay(ctx)
 	if err != nil && !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed) {
 		sess.log.Debug("session ended", zap.Error(err))
