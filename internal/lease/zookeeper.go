@@ -225,7 +225,7 @@ func (s *ZooKeeperStore) Campaign(ctx context.Context, resource string) (Lease, 
 
 // zkCall runs f, a call of the client (which takes no ctx: it returns when the server
 // answers or the connection is given up), and returns ctx's error if ctx ends first.
-func zkCall(ctx context.Context, f func() error) error {
+func ZooKeeperCall(ctx context.Context, f func() error) error {
 	done := make(chan error, 1)
 	go func() { done <- f() }()
 	select {
@@ -251,7 +251,7 @@ func (s *ZooKeeperStore) campaignOnce(ctx context.Context, dir, holder string, t
 	}()
 	acl := zk.WorldACL(zk.PermAll)
 	var node string
-	err = zkCall(ctx, func() error {
+	err = ZooKeeperCall(ctx, func() error {
 		if err := zkEnsureDir(conn, dir, acl); err != nil {
 			return err
 		}
@@ -266,7 +266,7 @@ func (s *ZooKeeperStore) campaignOnce(ctx context.Context, dir, holder string, t
 		return nil, err
 	}
 	var st *zk.Stat
-	if err := zkCall(ctx, func() error {
+	if err := ZooKeeperCall(ctx, func() error {
 		var err error
 		_, st, err = conn.Get(node)
 		return err
@@ -280,7 +280,7 @@ func (s *ZooKeeperStore) campaignOnce(ctx context.Context, dir, holder string, t
 	session := fmt.Sprintf("%x", st.EphemeralOwner)
 	for waited := false; ; {
 		var children []string
-		if err := zkCall(ctx, func() error {
+		if err := ZooKeeperCall(ctx, func() error {
 			var err error
 			children, _, err = conn.Children(dir)
 			return err
@@ -298,7 +298,7 @@ func (s *ZooKeeperStore) campaignOnce(ctx context.Context, dir, holder string, t
 		pred := dir + "/" + locks[i-1]
 		var exists bool
 		var wch <-chan zk.Event
-		if err := zkCall(ctx, func() error {
+		if err := ZooKeeperCall(ctx, func() error {
 			var err error
 			exists, _, wch, err = conn.ExistsW(pred)
 			return err
@@ -462,7 +462,7 @@ func (l *zkLease) Release(ctx context.Context) error {
 	wasHeld := l.Err() == nil
 	var derr error
 	if wasHeld {
-		derr = zkCall(ctx, func() error {
+		derr = ZooKeeperCall(ctx, func() error {
 			err := l.conn.Delete(l.key, -1)
 			if errors.Is(err, zk.ErrNoNode) {
 				return nil
