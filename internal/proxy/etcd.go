@@ -221,12 +221,7 @@ func (g *EtcdGuard) observe(ctx context.Context, res string, rev int64, log *zap
 	if g.pool == nil {
 		return
 	}
-	var stored int64
-	err := g.pool.AcquireFunc(ctx, func(c *pgxpool.Conn) error {
-		var err error
-		stored, err = g.key.Raise(ctx, c.Conn(), res, rev)
-		return err
-	})
+	stored, err := raiseStored(ctx, g.pool, g.key, res, rev)
 	switch {
 	case err != nil:
 		log.Error("proactive raise failed; the new leader's token is raised when it connects", zap.Int64("token", rev), zap.Error(err))
@@ -262,6 +257,18 @@ func (as Admitters) Validates(resource string) bool {
 		}
 	}
 	return false
+}
+
+// raiseStored raises res's token in the database through pool (a guard's proactive raise)
+// and returns the token the database then holds.
+func raiseStored(ctx context.Context, pool *pgxpool.Pool, key fence.Key, res string, token int64) (int64, error) {
+	var stored int64
+	err := pool.AcquireFunc(ctx, func(c *pgxpool.Conn) error {
+		var err error
+		stored, err = key.Raise(ctx, c.Conn(), res, token)
+		return err
+	})
+	return stored, err
 }
 
 func sleep(ctx context.Context, d time.Duration) {

@@ -370,12 +370,7 @@ func (g *ZooKeeperGuard) observe(ctx context.Context, res string, token int64, l
 		}
 		return
 	}
-	var stored int64
-	err := g.pool.AcquireFunc(ctx, func(c *pgxpool.Conn) error {
-		var err error
-		stored, err = g.key.Raise(ctx, c.Conn(), res, token)
-		return err
-	})
+	stored, err := raiseStored(ctx, g.pool, g.key, res, token)
 	switch {
 	case err != nil:
 		g.metrics.raises.WithLabelValues(res, "error").Inc()
