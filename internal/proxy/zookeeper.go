@@ -298,24 +298,14 @@ func (g *ZooKeeperGuard) Admit(ctx context.Context, c fence.Credentials) error {
 	if fe := g.regression(c.Resource); fe != nil {
 		return fe
 	}
-	switch {
-	case err != nil:
-		return fence.Unavailable(c.Resource, "ZooKeeper's lock state is unknown ("+err.Error()+"); no token is admitted without ZooKeeper's word")
-	case token == 0:
-		fe := fence.NotHeld(c.Resource, c.Token)
-		fe.Message = fmt.Sprintf("fencing lock not held: the ZooKeeper lock folder %s of resource %q has no lock node (token %d); the holder's session expired or it released the lock",
-			g.dirs[c.Resource], c.Resource, c.Token)
-		fe.Hint = "Take the lock again and use the new lock node's czxid."
-		return fe
-	case c.Token < token:
-		return fence.Stale(c.Resource, c.Token, token)
-	case c.Token > token:
-		fe := fence.NotIssued(c.Resource, c.Token, token)
-		fe.Message = fmt.Sprintf("fencing token not issued: resource %q token %d is higher than the czxid %d of ZooKeeper's current lock node", c.Resource, c.Token, token)
-		fe.Hint = "Use the czxid of the lock node this process holds the lock with (its Stat after creating it)."
-		return fe
-	}
-	return nil
+	return admitHolder(c, token, err, holderWords{
+		store: "ZooKeeper",
+		noHolder: fmt.Sprintf("the ZooKeeper lock folder %s of resource %q has no lock node (token %d); the holder's session expired or it released the lock",
+			g.dirs[c.Resource], c.Resource, c.Token),
+		noHolderHint: "Take the lock again and use the new lock node's czxid.",
+		current:      "the czxid %d of ZooKeeper's current lock node",
+		currentHint:  "Use the czxid of the lock node this process holds the lock with (its Stat after creating it).",
+	})
 }
 
 // Run watches every lock folder until ctx ends, raising each new holder's token.
