@@ -140,7 +140,7 @@ EOF`)
 		t.Fatalf("the new leader: %v\n%s", err, out)
 	}
 	newToken, _ := strconv.ParseInt(strings.TrimSpace(readFile(t, filepath.Join(newDir, "token"))), 10, 64)
-	t.Logf("%s: frozen leader (token %d) -> new leader's commit (token %d) after %v (TTL 2s)", store,
+	t.Logf("%s: frozen leader (token %d) -> new leader's commit (token %d) after %v", store,
 		oldToken, newToken, time.Since(frozen).Round(time.Millisecond))
 	if newToken <= oldToken {
 		t.Fatalf("new token %d, old %d: want higher", newToken, oldToken)

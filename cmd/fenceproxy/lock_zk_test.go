@@ -21,9 +21,11 @@ func TestLockZooKeeper(t *testing.T) {
 	z := testenv.StartZooKeeper(t)
 	zc := z.Conn(t)
 
+	// A session timeout of 4 s: the client drops a connection silent for 2/3 of it, which
+	// a loaded machine must not turn into a lost lease in the middle of a step.
 	lock := func(ctx context.Context, dir, holder, script string) *exec.Cmd {
 		cmd := exec.CommandContext(ctx, bin, "lock", "--store", "zookeeper", "--zk-servers", z.Addr,
-			"--resource", "billing", "--holder", holder, "--ttl", "2s", "--grace", "2s", "--on-lost", "exit",
+			"--resource", "billing", "--holder", holder, "--ttl", "4s", "--grace", "2s", "--on-lost", "exit",
 			"--database-url", px.URL(testenv.AdminUser, "postgres"), "--", "/bin/sh", "-c", script)
 		cmd.Env = append(env, "DIR="+dir)
 		return cmd
