@@ -23,6 +23,7 @@ packages=(
   docker-compose                     # the demo's compose file
   prometheus                         # promtool checks the alert rules (its server is kept stopped)
   chromium                           # headless browser test of the status page
+  zookeeper                          # ZooKeeper's jars: the lease store tests run a private server
 )
 
 prog=deps

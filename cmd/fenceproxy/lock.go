@@ -15,7 +15,7 @@ import (
 // lease is lost or the command exits.
 type LockCmd struct {
 	Resource string `help:"Fenced resource to lead (as configured in the proxy), e.g. billing." required:"" env:"FENCEPROXY_RESOURCE"`
-	Store    string `help:"Where the lease is won: consul (a Consul lock, the default), postgres (the lease row in fence.leases of --database; needs nothing but PostgreSQL) or etcd (an election on --etcd-endpoints)." enum:"consul,postgres,etcd" default:"consul" env:"FENCEPROXY_STORE"`
+	Store    string `help:"Where the lease is won: consul (a Consul lock, the default), postgres (the lease row in fence.leases of --database; needs nothing but PostgreSQL), etcd (an election on --etcd-endpoints) or zookeeper (the lock recipe on --zk-servers)." enum:"consul,postgres,etcd,zookeeper" default:"consul" env:"FENCEPROXY_STORE"`
 
 	Key          string `help:"Consul lock key; default locks/<resource> (--store consul)." env:"FENCEPROXY_KEY"`
 	ConsulAddr   string `help:"Consul HTTP address (host:port or URL); default CONSUL_HTTP_ADDR, else 127.0.0.1:8500 (--store consul)." name:"consul-addr" env:"FENCEPROXY_CONSUL_ADDR"`
@@ -25,19 +25,21 @@ type LockCmd struct {
 	TokenMode    string `help:"The token the command gets (FENCE_TOKEN), as the proxy's --consul-token-mode: lockindex (the key's LockIndex) or create-lock (CreateIndex*2^24+LockIndex)." name:"consul-token-mode" enum:"lockindex,create-lock" default:"lockindex" env:"FENCEPROXY_CONSUL_TOKEN_MODE"`
 
 	Database string `help:"The protected database, reached directly (not through the proxy), whose fence.leases holds the lease (--store postgres; schema version 5, fenceproxy migrate)." name:"database" env:"FENCEPROXY_DATABASE"`
-	Holder   string `help:"Holder name in the lease row (--store postgres) or the leader key's value (--store etcd); default host:pid:random." env:"FENCEPROXY_HOLDER"`
+	Holder   string `help:"Holder name in the lease row (--store postgres), the leader key's value (--store etcd) or the lock node's data (--store zookeeper); default host:pid:random." env:"FENCEPROXY_HOLDER"`
 
 	EtcdEndpoints []string `help:"etcd client URLs, comma-separated (--store etcd)." name:"etcd-endpoints" env:"FENCEPROXY_ETCD_ENDPOINTS"`
-	Prefix        string   `help:"etcd election prefix; default locks/<resource> (--store etcd)." env:"FENCEPROXY_PREFIX"`
+	Prefix        string   `help:"etcd election prefix, default locks/<resource> (--store etcd); ZooKeeper lock folder, default /locks/<resource> (--store zookeeper)." env:"FENCEPROXY_PREFIX"`
 	EtcdUser      string   `help:"etcd user name, when etcd's authentication is on (--store etcd)." name:"etcd-user" env:"FENCEPROXY_ETCD_USER"`
 	EtcdPassword  string   `help:"etcd password (--store etcd)." name:"etcd-password" env:"FENCEPROXY_ETCD_PASSWORD"`
 	EtcdCAFile    string   `help:"CA file to verify etcd's TLS certificate (--store etcd)." name:"etcd-ca-file" type:"path" env:"FENCEPROXY_ETCD_CA_FILE"`
 	EtcdCertFile  string   `help:"Client certificate for etcd (--store etcd)." name:"etcd-cert-file" type:"path" env:"FENCEPROXY_ETCD_CERT_FILE"`
 	EtcdKeyFile   string   `help:"Client certificate's key for etcd (--store etcd)." name:"etcd-key-file" type:"path" env:"FENCEPROXY_ETCD_KEY_FILE"`
 
+	ZKServers []string `help:"ZooKeeper servers, host:port, comma-separated (--store zookeeper)." name:"zk-servers" env:"FENCEPROXY_ZK_SERVERS"`
+
 	DatabaseURL string `help:"Base postgres:// URL (pointing at the proxy) that the command gets as DATABASE_URL, with the fence parameters added to its options (default: $DATABASE_URL). Empty: no DATABASE_URL, only FENCE_STORE, FENCE_RESOURCE, FENCE_TOKEN, FENCE_SESSION, FENCE_KEY." name:"database-url" env:"FENCEPROXY_DATABASE_URL,DATABASE_URL"`
 
-	TTL       time.Duration `help:"Lease TTL. Consul (10s to 24h) invalidates a silent holder after TTL to 2xTTL; the PostgreSQL lease (1s to 24h) expires TTL after its last renewal, by the database's clock; etcd (whole seconds, 1s to 24h) expires the session's lease TTL after its last keepalive." name:"ttl" default:"10s" env:"FENCEPROXY_TTL"`
+	TTL       time.Duration `help:"Lease TTL. Consul (10s to 24h) invalidates a silent holder after TTL to 2xTTL; the PostgreSQL lease (1s to 24h) expires TTL after its last renewal, by the database's clock; etcd (whole seconds, 1s to 24h) expires the session's lease TTL after its last keepalive; ZooKeeper (1s to 24h, within the server's minSessionTimeout..maxSessionTimeout, by default 4s to 40s) expires the session TTL after it last heard from the client." name:"ttl" default:"10s" env:"FENCEPROXY_TTL"`
 	LockDelay time.Duration `help:"Consul lock-delay after the holder's session is invalidated. 0 is safe with fencing: a stale leader's writes are refused by the database." name:"lock-delay" default:"0s" env:"FENCEPROXY_LOCK_DELAY"`
 	Grace     time.Duration `help:"After losing the lock: time between SIGTERM and SIGKILL to the command's process group." default:"10s" env:"FENCEPROXY_GRACE"`
 	OnLost    string        `help:"After losing the lock and stopping the command: retry (campaign again) or exit." name:"on-lost" enum:"retry,exit" default:"retry" env:"FENCEPROXY_ON_LOST"`
@@ -107,6 +109,11 @@ func (c *LockCmd) store(log *zap.Logger) (lease.Store, func(), error) {
 		}
 		store := &lease.EtcdStore{Client: client, Prefix: c.Prefix, TTL: c.TTL, Holder: c.Holder, Logger: log}
 		return store, func() { _ = client.Close() }, nil
+	case lease.StoreZooKeeper:
+		if len(c.ZKServers) == 0 {
+			return nil, nil, errors.New("lock --store zookeeper needs --zk-servers: the ZooKeeper servers' host:port")
+		}
+		return &lease.ZooKeeperStore{Servers: c.ZKServers, Prefix: c.Prefix, TTL: c.TTL, Holder: c.Holder, Logger: log}, nothing, nil
 	}
 	client, err := lease.NewClient(lease.ConsulConfig{
 		Addr: c.ConsulAddr, Token: c.ConsulToken, CAFile: c.ConsulCAFile, Scheme: c.ConsulScheme,

@@ -72,92 +72,7 @@ func TestLockEtcd(t *testing.T) {
 	})
 
 	t.Run("a frozen leader's commit is refused after a takeover", func(t *testing.T) {
-		dir := t.TempDir()
-		ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
-		defer cancel()
-		// The old leader opens a transaction, writes, says ready and waits for "go"
-		// before its COMMIT.
-		old := lock(ctx, dir, "old", `echo $$ > "$DIR/pid"; echo $FENCE_TOKEN > "$DIR/token"
-psql "$DATABASE_URL" -X -q -v ON_ERROR_STOP=1 -v VERBOSITY=verbose > "$DIR/psql.out" 2>&1 <<EOF
-BEGIN;
-INSERT INTO writes VALUES ($FENCE_TOKEN, 'etcd');
-\! touch "$DIR/ready"; while [ ! -e "$DIR/go" ]; do sleep 0.05; done
-COMMIT;
-EOF`)
-		// A file, not a buffer: the test reads it while the process writes.
-		oldOut, err := os.Create(filepath.Join(dir, "lock.out"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer oldOut.Close()
-		old.Stdout, old.Stderr = oldOut, oldOut
-		if err := old.Start(); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() {
-			_ = old.Process.Signal(syscall.SIGCONT)
-		})
-		waitPath(t, filepath.Join(dir, "ready"), oldOut.Name())
-		pgid, _ := strconv.Atoi(strings.TrimSpace(readFile(t, filepath.Join(dir, "pid"))))
-		oldToken, _ := strconv.ParseInt(strings.TrimSpace(readFile(t, filepath.Join(dir, "token"))), 10, 64)
-		if pgid <= 0 || oldToken <= 0 {
-			t.Fatalf("child group %d, token %d", pgid, oldToken)
-		}
-		// Freeze the supervisor and its child's whole group.
-		if err := syscall.Kill(old.Process.Pid, syscall.SIGSTOP); err != nil {
-			t.Fatal(err)
-		}
-		if err := syscall.Kill(-pgid, syscall.SIGSTOP); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = syscall.Kill(-pgid, syscall.SIGCONT) })
-		frozen := time.Now()
-
-		newDir := t.TempDir()
-		out, err := lock(ctx, newDir, "new",
-			`psql "$DATABASE_URL" -X -q -v ON_ERROR_STOP=1 -c "INSERT INTO writes VALUES ($FENCE_TOKEN, 'etcd')" && echo $FENCE_TOKEN > "$DIR/token"`).CombinedOutput()
-		if err != nil {
-			t.Fatalf("the new leader: %v\n%s", err, out)
-		}
-		newToken, _ := strconv.ParseInt(strings.TrimSpace(readFile(t, filepath.Join(newDir, "token"))), 10, 64)
-		t.Logf("frozen leader (token %d) -> new leader's commit (token %d) after %v (TTL 2s)",
-			oldToken, newToken, time.Since(frozen).Round(time.Millisecond))
-		if newToken <= oldToken {
-			t.Fatalf("new token %d, old %d: want higher", newToken, oldToken)
-		}
-
-		// Wake the child first (its supervisor would stop it on waking): its COMMIT is
-		// refused.
-		if err := os.WriteFile(filepath.Join(dir, "go"), nil, 0o644); err != nil {
-			t.Fatal(err)
-		}
-		if err := syscall.Kill(-pgid, syscall.SIGCONT); err != nil {
-			t.Fatal(err)
-		}
-		deadline := time.Now().Add(30 * time.Second)
-		for !strings.Contains(readFile(t, filepath.Join(dir, "psql.out")), "ZF001") && time.Now().Before(deadline) {
-			time.Sleep(50 * time.Millisecond)
-		}
-		if got := readFile(t, filepath.Join(dir, "psql.out")); !strings.Contains(got, "ZF001") {
-			t.Errorf("the old leader's psql: %q, want ZF001", got)
-		}
-		if err := syscall.Kill(old.Process.Pid, syscall.SIGCONT); err != nil {
-			t.Fatal(err)
-		}
-		// On waking, the supervisor sees two things at once: its lease lost (exit status 1
-		// with --on-lost exit) and its child exited after the refused COMMIT (psql's status
-		// 3, passed on). Either may come first; both end it with an error.
-		err = old.Wait()
-		var ee *exec.ExitError
-		if got := readFile(t, oldOut.Name()); !errors.As(err, &ee) || (ee.ExitCode() != 1 && ee.ExitCode() != 3) {
-			t.Errorf("the old supervisor: %v, want exit status 1 (lost leadership) or 3 (psql's)\n%s", err, got)
-		}
-		if n := rows(t, oldToken); n != 0 {
-			t.Errorf("%d rows of the frozen leader committed, want 0", n)
-		}
-		if n := rows(t, newToken); n != 1 {
-			t.Errorf("%d rows of the new leader, want 1", n)
-		}
+		frozenTakeover(t, "etcd", lock, rows)
 	})
 
 	t.Run("--store etcd needs --etcd-endpoints", func(t *testing.T) {
@@ -166,6 +81,103 @@ EOF`)
 			t.Errorf("lock --store etcd without --etcd-endpoints: %v\n%s", err, out)
 		}
 	})
+}
+
+// lockCmd starts `fenceproxy lock` for holder with script as its child (DIR=dir in its
+// environment).
+type lockCmd func(ctx context.Context, dir, holder, script string) *exec.Cmd
+
+// frozenTakeover freezes a leader (its supervisor and child) in the middle of a
+// transaction, lets another take over after the lease's TTL, and checks that the frozen
+// leader's COMMIT, once it wakes, is refused with ZF001 and its supervisor exits with an
+// error. rows counts the rows written with a token.
+func frozenTakeover(t *testing.T, store string, lock lockCmd, rows func(*testing.T, int64) int) {
+	dir := t.TempDir()
+	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
+	defer cancel()
+	// The old leader opens a transaction, writes, says ready and waits for "go"
+	// before its COMMIT.
+	old := lock(ctx, dir, "old", `echo $$ > "$DIR/pid"; echo $FENCE_TOKEN > "$DIR/token"
+psql "$DATABASE_URL" -X -q -v ON_ERROR_STOP=1 -v VERBOSITY=verbose > "$DIR/psql.out" 2>&1 <<EOF
+BEGIN;
+INSERT INTO writes VALUES ($FENCE_TOKEN, '$FENCE_STORE');
+\! touch "$DIR/ready"; while [ ! -e "$DIR/go" ]; do sleep 0.05; done
+COMMIT;
+EOF`)
+	// A file, not a buffer: the test reads it while the process writes.
+	oldOut, err := os.Create(filepath.Join(dir, "lock.out"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer oldOut.Close()
+	old.Stdout, old.Stderr = oldOut, oldOut
+	if err := old.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = old.Process.Signal(syscall.SIGCONT)
+	})
+	waitPath(t, filepath.Join(dir, "ready"), oldOut.Name())
+	pgid, _ := strconv.Atoi(strings.TrimSpace(readFile(t, filepath.Join(dir, "pid"))))
+	oldToken, _ := strconv.ParseInt(strings.TrimSpace(readFile(t, filepath.Join(dir, "token"))), 10, 64)
+	if pgid <= 0 || oldToken <= 0 {
+		t.Fatalf("child group %d, token %d", pgid, oldToken)
+	}
+	// Freeze the supervisor and its child's whole group.
+	if err := syscall.Kill(old.Process.Pid, syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Kill(-pgid, syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = syscall.Kill(-pgid, syscall.SIGCONT) })
+	frozen := time.Now()
+
+	newDir := t.TempDir()
+	out, err := lock(ctx, newDir, "new",
+		`psql "$DATABASE_URL" -X -q -v ON_ERROR_STOP=1 -c "INSERT INTO writes VALUES ($FENCE_TOKEN, '$FENCE_STORE')" && echo $FENCE_TOKEN > "$DIR/token"`).CombinedOutput()
+	if err != nil {
+		t.Fatalf("the new leader: %v\n%s", err, out)
+	}
+	newToken, _ := strconv.ParseInt(strings.TrimSpace(readFile(t, filepath.Join(newDir, "token"))), 10, 64)
+	t.Logf("%s: frozen leader (token %d) -> new leader's commit (token %d) after %v", store,
+		oldToken, newToken, time.Since(frozen).Round(time.Millisecond))
+	if newToken <= oldToken {
+		t.Fatalf("new token %d, old %d: want higher", newToken, oldToken)
+	}
+
+	// Wake the child first (its supervisor would stop it on waking): its COMMIT is
+	// refused.
+	if err := os.WriteFile(filepath.Join(dir, "go"), nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Kill(-pgid, syscall.SIGCONT); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for !strings.Contains(readFile(t, filepath.Join(dir, "psql.out")), "ZF001") && time.Now().Before(deadline) {
+		time.Sleep(50 * time.Millisecond)
+	}
+	if got := readFile(t, filepath.Join(dir, "psql.out")); !strings.Contains(got, "ZF001") {
+		t.Errorf("the old leader's psql: %q, want ZF001", got)
+	}
+	if err := syscall.Kill(old.Process.Pid, syscall.SIGCONT); err != nil {
+		t.Fatal(err)
+	}
+	// On waking, the supervisor sees two things at once: its lease lost (exit status 1
+	// with --on-lost exit) and its child exited after the refused COMMIT (psql's status
+	// 3, passed on). Either may come first; both end it with an error.
+	err = old.Wait()
+	var ee *exec.ExitError
+	if got := readFile(t, oldOut.Name()); !errors.As(err, &ee) || (ee.ExitCode() != 1 && ee.ExitCode() != 3) {
+		t.Errorf("the old supervisor: %v, want exit status 1 (lost leadership) or 3 (psql's)\n%s", err, got)
+	}
+	if n := rows(t, oldToken); n != 0 {
+		t.Errorf("%d rows of the frozen leader committed, want 0", n)
+	}
+	if n := rows(t, newToken); n != 1 {
+		t.Errorf("%d rows of the new leader, want 1", n)
+	}
 }
 
 func readFile(t *testing.T, path string) string {

@@ -56,14 +56,27 @@ func (s *ServeCmd) Run(ctx context.Context, log *zap.Logger, level zap.AtomicLev
 	if err != nil {
 		return err
 	}
+	zkGuard, err := proxy.NewZooKeeperGuard(ctx, s.Config, proxy.ZooKeeperGuardOptions{Logger: log, Registry: registry, Registerer: reg})
+	if err != nil {
+		return err
+	}
 	opts := proxy.Options{Logger: log, Metrics: metrics, Registry: registry, Registerer: reg}
-	switch {
-	case guard != nil && etcdGuard != nil:
-		opts.Admitter = proxy.Admitters{guard, etcdGuard}
-	case guard != nil:
-		opts.Admitter = guard
-	case etcdGuard != nil:
-		opts.Admitter = etcdGuard
+	var admitters proxy.Admitters
+	if guard != nil {
+		admitters = append(admitters, guard)
+	}
+	if etcdGuard != nil {
+		admitters = append(admitters, etcdGuard)
+	}
+	if zkGuard != nil {
+		admitters = append(admitters, zkGuard)
+	}
+	switch len(admitters) {
+	case 0:
+	case 1:
+		opts.Admitter = admitters[0]
+	default:
+		opts.Admitter = admitters
 	}
 	if guard != nil {
 		if err := checkConsul(ctx, guard, s.ConsulStartTimeout); err != nil {
@@ -117,6 +130,9 @@ func (s *ServeCmd) Run(ctx context.Context, log *zap.Logger, level zap.AtomicLev
 	}
 	if etcdGuard != nil {
 		go etcdGuard.Run(bg) //nolint:errcheck // returns only when bg ends
+	}
+	if zkGuard != nil {
+		go zkGuard.Run(bg) //nolint:errcheck // returns only when bg ends
 	}
 	go func() {
 		for {

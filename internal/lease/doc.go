@@ -1,5 +1,5 @@
 // Package lease turns leases into fencing tokens: Consul locks, the PostgreSQL lease of
-// the fence schema (fence.leases) and etcd elections, behind one interface, and tells the proxy, from Consul
+// the fence schema (fence.leases), etcd elections and ZooKeeper locks, behind one interface, and tells the proxy, from Consul
 // itself, which Consul token is current.
 //
 // A Consul lock is a KV key acquired with a session. Its LockIndex goes up by one on every
@@ -11,8 +11,9 @@
 // package offers:
 //
 //   - Lease and Store: one interface for every store (ctx first, Token, Done, Err, Release),
-//     implemented by ConsulStore, PostgresStore and EtcdStore (whose token is the leader
-//     key's CreateRevision, explained on EtcdStore). RunLocked, `fenceproxy lock`, needs
+//     implemented by ConsulStore, PostgresStore, EtcdStore (whose token is the leader
+//     key's CreateRevision, explained on EtcdStore) and ZooKeeperStore (whose token is the
+//     lock node's czxid, explained on ZooKeeperStore). RunLocked, `fenceproxy lock`, needs
 //     nothing else.
 //   - Watcher: follows Consul lock keys with consistent blocking queries and keeps, per key,
 //     the State (LockIndex, holder, CreateIndex, held or not, known or not), reports

@@ -7,8 +7,6 @@ import (
 	"os"
 	"strconv"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -137,53 +135,7 @@ func TestEtcdLease(t *testing.T) {
 
 	t.Run("contenders are never two holders", func(t *testing.T) {
 		t.Parallel()
-		const contenders, rounds = 5, 4
-		var holding atomic.Int32
-		var mu sync.Mutex
-		var tokens []int64
-		var wg sync.WaitGroup
-		errs := make(chan error, contenders)
-		for i := range contenders {
-			wg.Go(func() {
-				s := store(fmt.Sprintf("c%d", i), 5*time.Second)
-				for range rounds {
-					ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-					l, err := s.Campaign(ctx, "contend")
-					cancel()
-					if err != nil {
-						errs <- err
-						return
-					}
-					if n := holding.Add(1); n != 1 {
-						errs <- fmt.Errorf("%d holders at once (token %d)", n, l.Token())
-					}
-					mu.Lock()
-					tokens = append(tokens, l.Token())
-					mu.Unlock()
-					time.Sleep(10 * time.Millisecond)
-					holding.Add(-1)
-					if err := l.Release(context.Background()); err != nil {
-						errs <- err
-						return
-					}
-				}
-			})
-		}
-		wg.Wait()
-		close(errs)
-		for err := range errs {
-			t.Error(err)
-		}
-		// Acquisitions were serialised, so the tokens in the order of acquisition grow.
-		for i := 1; i < len(tokens); i++ {
-			if tokens[i] <= tokens[i-1] {
-				t.Errorf("tokens in acquisition order %v: not increasing at %d", tokens, i)
-				break
-			}
-		}
-		if len(tokens) != contenders*rounds {
-			t.Errorf("%d acquisitions, want %d", len(tokens), contenders*rounds)
-		}
+		contend(t, func(name string) lease.Store { return store(name, 5*time.Second) }, "contend", 5, 4)
 	})
 
 	t.Run("TTLs etcd cannot grant are refused", func(t *testing.T) {
@@ -243,16 +195,7 @@ func runEtcdHolder() int {
 		fmt.Println("error", err)
 		return 1
 	}
-	s := &lease.EtcdStore{Client: cli, TTL: 2 * time.Second, Holder: "frozen"}
-	l, err := s.Campaign(context.Background(), os.Getenv("LEASE_TEST_RESOURCE"))
-	if err != nil {
-		fmt.Println("error", err)
-		return 1
-	}
-	fmt.Println("token", l.Token())
-	<-l.Done()
-	fmt.Println("lost", l.Err())
-	return 0
+	return runStoreHolder(&lease.EtcdStore{Client: cli, TTL: 2 * time.Second, Holder: "frozen"}, os.Getenv("LEASE_TEST_RESOURCE"))
 }
 
 // TestEtcdLeaseFrozenHolder freezes a holder (a process of its own, SIGSTOP): etcd expires

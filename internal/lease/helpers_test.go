@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -23,7 +24,7 @@ import (
 const waitTimeout = 15 * time.Second
 
 // TestMain doubles as the holder process of the freeze tests: a lock holder (Consul, the
-// PostgreSQL lease, or etcd) in a process of its own, that the test can SIGSTOP like a real stalled
+// PostgreSQL lease, etcd, or ZooKeeper) in a process of its own, that the test can SIGSTOP like a real stalled
 // leader.
 func TestMain(m *testing.M) {
 	if os.Getenv("LEASE_TEST_HOLDER") != "" {
@@ -34,6 +35,9 @@ func TestMain(m *testing.M) {
 	}
 	if os.Getenv("LEASE_TEST_ETCD_HOLDER") != "" {
 		os.Exit(runEtcdHolder())
+	}
+	if os.Getenv("LEASE_TEST_ZK_HOLDER") != "" {
+		os.Exit(runZKHolder())
 	}
 	os.Exit(m.Run())
 }
@@ -273,4 +277,71 @@ func waitState(t *testing.T, w *lease.Watcher, key string, pred func(lease.State
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
+}
+
+// contend runs contenders goroutines that each take resource's lease rounds times from
+// their own store (newStore(name)), and checks that there is never more than one holder
+// and that the tokens, in the order of acquisition, grow.
+func contend(t *testing.T, newStore func(name string) lease.Store, resource string, contenders, rounds int) {
+	t.Helper()
+	var holding atomic.Int32
+	var mu sync.Mutex
+	var tokens []int64
+	var wg sync.WaitGroup
+	errs := make(chan error, contenders)
+	for i := range contenders {
+		wg.Go(func() {
+			s := newStore(fmt.Sprintf("c%d", i))
+			for range rounds {
+				ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+				l, err := s.Campaign(ctx, resource)
+				cancel()
+				if err != nil {
+					errs <- err
+					return
+				}
+				if n := holding.Add(1); n != 1 {
+					errs <- fmt.Errorf("%d holders at once (token %d)", n, l.Token())
+				}
+				mu.Lock()
+				tokens = append(tokens, l.Token())
+				mu.Unlock()
+				time.Sleep(10 * time.Millisecond)
+				holding.Add(-1)
+				if err := l.Release(context.Background()); err != nil {
+					errs <- err
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	// Acquisitions were serialised, so the tokens in the order of acquisition grow.
+	for i := 1; i < len(tokens); i++ {
+		if tokens[i] <= tokens[i-1] {
+			t.Errorf("tokens in acquisition order %v: not increasing at %d", tokens, i)
+			break
+		}
+	}
+	if len(tokens) != contenders*rounds {
+		t.Errorf("%d acquisitions, want %d", len(tokens), contenders*rounds)
+	}
+}
+
+// runStoreHolder is the body of a frozen-holder process: it takes resource's lease from s,
+// prints "token N", then "lost ERROR" when the lease is lost.
+func runStoreHolder(s lease.Store, resource string) int {
+	l, err := s.Campaign(context.Background(), resource)
+	if err != nil {
+		fmt.Println("error", err)
+		return 1
+	}
+	fmt.Println("token", l.Token())
+	<-l.Done()
+	fmt.Println("lost", l.Err())
+	return 0
 }

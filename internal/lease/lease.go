@@ -7,23 +7,27 @@ const (
 	StoreConsul   = "consul"
 	StorePostgres = "postgres"
 	StoreEtcd     = "etcd"
+	// StoreZooKeeper is ZooKeeperStore's name.
+	StoreZooKeeper = "zookeeper"
 )
 
 // Lease is a lease on one resource that a Store granted: whatever the store, the holder
 // learns its fencing token, when it lost the lease, and why. RunLocked needs nothing else.
 type Lease interface {
 	// Store is the name of the store that granted the lease (StoreConsul, StorePostgres,
-	// StoreEtcd).
+	// StoreEtcd, StoreZooKeeper).
 	Store() string
 	// Key is where the lease lives in its store: the Consul key, "fence.leases/<resource>",
-	// or etcd's leader key ("<prefix>/<lease ID>").
+	// etcd's leader key ("<prefix>/<lease ID>"), or ZooKeeper's lock node
+	// ("<folder>/_c_<random>-lock-<sequence>").
 	Key() string
 	// Holder is the holder's identity in the store: the Consul session ID, the holder
-	// name of the PostgreSQL lease row, or etcd's session lease ID (hex).
+	// name of the PostgreSQL lease row, etcd's session lease ID or ZooKeeper's session ID
+	// (both hex).
 	Holder() string
 	// Token is the fencing token of this acquisition: Consul's LockIndex, the lease row's
-	// generation, or the CreateRevision of etcd's leader key. It never changes while the
-	// lease is held.
+	// generation, the CreateRevision of etcd's leader key, or the czxid of ZooKeeper's lock
+	// node. It never changes while the lease is held.
 	Token() int64
 	// Done is closed when the lease is lost or released; Err says which.
 	Done() <-chan struct{}

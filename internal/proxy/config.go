@@ -104,6 +104,9 @@ type Config struct {
 	// etcd configures token validation against etcd elections (EtcdGuard).
 	EtcdEndpoints []string `help:"etcd client URLs (comma-separated), for --etcd-resource." name:"etcd-endpoints" sep:","`
 	EtcdResources []string `help:"Resource validated against an etcd election, NAME=PREFIX (repeatable; NAME is also a --resource)." name:"etcd-resource" sep:","`
+	// ZooKeeper configures token validation against ZooKeeper locks (ZooKeeperGuard).
+	ZKServers   []string `help:"ZooKeeper servers, host:port (comma-separated), for --zk-resource." name:"zk-servers" sep:","`
+	ZKResources []string `help:"Resource validated against a ZooKeeper lock, NAME or NAME=PATH, PATH its lock folder (default /locks/NAME; repeatable; NAME is also a --resource)." name:"zk-resource" sep:","`
 }
 
 // Resource is a configured resource.

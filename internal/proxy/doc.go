@@ -6,8 +6,9 @@
 // a stale backend at the raise (migrations/00004_bind_sessions.sql).
 //
 // Admitters check a session's token against the lock service that issued it
-// before the bind: Guard against Consul, EtcdGuard against an etcd election;
-// both also raise a new holder's token proactively.
+// before the bind: Guard against Consul, EtcdGuard against an etcd election,
+// ZooKeeperGuard against a ZooKeeper lock; each also raises a new holder's
+// token proactively.
 //
 // It must not parse SQL, predict what the server will do, or keep a received
 // message past the next read.

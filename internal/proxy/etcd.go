@@ -248,20 +248,41 @@ func (g *EtcdGuard) Admit(ctx context.Context, c fence.Credentials) error {
 	if fe := g.regression(c.Resource); fe != nil {
 		return fe
 	}
+	return admitHolder(c, rev, err, holderWords{
+		store:        "etcd",
+		noHolder:     fmt.Sprintf("the etcd election of resource %q has no leader (token %d); the session expired or resigned", c.Resource, c.Token),
+		noHolderHint: "Campaign again and use the new leader key's CreateRevision.",
+		current:      "the CreateRevision %d of etcd's current leader key",
+		currentHint:  "Use the leader key's CreateRevision (concurrency.Election.Rev()) that this process won the election with.",
+	})
+}
+
+// holderWords word a guard's refusals for its store.
+type holderWords struct {
+	store        string // the store's name in messages
+	noHolder     string // why the lock is not held (ZF006's message, after its prefix)
+	noHolderHint string
+	current      string // the holder's token, a format with one %d
+	currentHint  string // what the holder's token is (ZF002's hint)
+}
+
+// admitHolder is a guard's answer to c given the store's current holder's token (0: the
+// lock is not held) or why it could not be read.
+func admitHolder(c fence.Credentials, current int64, err error, w holderWords) error {
 	switch {
 	case err != nil:
-		return fence.Unavailable(c.Resource, "etcd's election state is unknown ("+err.Error()+"); no token is admitted without etcd's word")
-	case rev == 0:
+		return fence.Unavailable(c.Resource, w.store+"'s lock state is unknown ("+err.Error()+"); no token is admitted without "+w.store+"'s word")
+	case current == 0:
 		fe := fence.NotHeld(c.Resource, c.Token)
-		fe.Message = fmt.Sprintf("fencing lock not held: the etcd election of resource %q has no leader (token %d); the session expired or resigned", c.Resource, c.Token)
-		fe.Hint = "Campaign again and use the new leader key's CreateRevision."
+		fe.Message = "fencing lock not held: " + w.noHolder
+		fe.Hint = w.noHolderHint
 		return fe
-	case c.Token < rev:
-		return fence.Stale(c.Resource, c.Token, rev)
-	case c.Token > rev:
-		fe := fence.NotIssued(c.Resource, c.Token, rev)
-		fe.Message = fmt.Sprintf("fencing token not issued: resource %q token %d is higher than the CreateRevision %d of etcd's current leader key", c.Resource, c.Token, rev)
-		fe.Hint = "Use the leader key's CreateRevision (concurrency.Election.Rev()) that this process won the election with."
+	case c.Token < current:
+		return fence.Stale(c.Resource, c.Token, current)
+	case c.Token > current:
+		fe := fence.NotIssued(c.Resource, c.Token, current)
+		fe.Message = fmt.Sprintf("fencing token not issued: resource %q token %d is higher than "+w.current, c.Resource, c.Token, current)
+		fe.Hint = w.currentHint
 		return fe
 	}
 	return g.record(ctx, c.Resource, l)
@@ -320,12 +341,7 @@ func (g *EtcdGuard) observe(ctx context.Context, res string, l etcdLeader, log *
 	if g.pool == nil {
 		return
 	}
-	var stored int64
-	err := g.pool.AcquireFunc(ctx, func(c *pgxpool.Conn) error {
-		var err error
-		stored, err = g.key.Raise(ctx, c.Conn(), res, rev)
-		return err
-	})
+	stored, err := raiseStored(ctx, g.pool, g.key, res, rev)
 	switch {
 	case err != nil:
 		log.Error("proactive raise failed; the new leader's token is raised when it connects", zap.Int64("token", rev), zap.Error(err))
@@ -394,6 +410,18 @@ func (as Admitters) Validates(resource string) bool {
 		}
 	}
 	return false
+}
+
+// raiseStored raises res's token in the database through pool (a guard's proactive raise)
+// and returns the token the database then holds.
+func raiseStored(ctx context.Context, pool *pgxpool.Pool, key fence.Key, res string, token int64) (int64, error) {
+	var stored int64
+	err := pool.AcquireFunc(ctx, func(c *pgxpool.Conn) error {
+		var err error
+		stored, err = key.Raise(ctx, c.Conn(), res, token)
+		return err
+	})
+	return stored, err
 }
 
 func sleep(ctx context.Context, d time.Duration) {

@@ -59,6 +59,7 @@ func (s *Server) Reload(cfg Config) (applied, skipped []string, err error) {
 	restart("metrics-listen", n.MetricsListen != old.MetricsListen || n.DebugPprof != old.DebugPprof)
 	restart("consul", n.ConsulAddr != old.ConsulAddr || n.ConsulToken != old.ConsulToken || n.ConsulCAFile != old.ConsulCAFile ||
 		n.ConsulScheme != old.ConsulScheme || n.ConsulDownMode != old.ConsulDownMode)
+	restart("zookeeper", !slices.Equal(n.ZKServers, old.ZKServers) || !slices.Equal(n.ZKResources, old.ZKResources))
 
 	// Resources with a Consul key stay as they started; the others follow cfg.
 	cur := s.conf()

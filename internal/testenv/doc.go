@@ -1,7 +1,8 @@
 // Package testenv starts and stops the real servers and processes that fenceproxy's tests,
 // the chaos campaign, the demo and the benchmark run against: a private PostgreSQL 15
 // cluster per call of StartPostgres, a Consul agent (StartConsul), an etcd server
-// (StartEtcd, in the calling process), in-process proxies (StartProxy), and processes that
+// (StartEtcd, in the calling process), a ZooKeeper server (StartZooKeeper, Debian's jars
+// in a JVM of its own), in-process proxies (StartProxy), and processes that
 // can be frozen, killed and started again as a whole process group (StartProcess;
 // StartProxyProcess for a `fenceproxy serve` on a fixed port; BuildGo for the binaries).
 //
@@ -24,6 +25,8 @@
 //	  p.Start / Stop / Kill           p.StartContext(ctx) / Shutdown() / Crash()
 //	  p.Exec / CreateRole             p.ExecContext(ctx, sql) / CreateRoleContext(ctx, ...)
 //	StartConsul(tb)                 LaunchConsul(ctx)               ... c.Close()
+//	StartZooKeeper(tb)              LaunchZooKeeper(ctx)            ... z.Close()
+//	  z.Start / Stop                  z.StartContext(ctx) / Shutdown()
 //	  c.Start / Stop                  c.StartContext(ctx) / Shutdown()
 //	  c.Pause / Resume / Client       c.Freeze() / Thaw() / NewClient()
 //	ConsulBinary(tb)                FindConsulBinary()

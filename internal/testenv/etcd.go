@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"net/url"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -208,10 +207,7 @@ func (e *Etcd) stop() error {
 func (e *Etcd) Backup(tb testing.TB) string {
 	tb.Helper()
 	e.Stop(tb)
-	dst := filepath.Join(e.base, "backup-"+strconv.FormatInt(time.Now().UnixNano(), 10))
-	if out, err := exec.Command("cp", "-a", e.DataDir, dst).CombinedOutput(); err != nil {
-		tb.Fatalf("testenv: back up etcd: %v: %s", err, out)
-	}
+	dst := copyData(tb, e.base, e.DataDir)
 	e.Start(tb)
 	return dst
 }
@@ -222,12 +218,7 @@ func (e *Etcd) Backup(tb testing.TB) string {
 func (e *Etcd) Restore(tb testing.TB, backup string) {
 	tb.Helper()
 	e.Stop(tb)
-	if err := os.RemoveAll(e.DataDir); err != nil {
-		tb.Fatalf("testenv: restore etcd: %v", err)
-	}
-	if out, err := exec.Command("cp", "-a", backup, e.DataDir).CombinedOutput(); err != nil {
-		tb.Fatalf("testenv: restore etcd: %v: %s", err, out)
-	}
+	replaceData(tb, e.DataDir, backup)
 	e.Start(tb)
 }
 
