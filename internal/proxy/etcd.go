@@ -168,17 +168,25 @@ func (g *EtcdGuard) record(ctx context.Context, res string, l etcdLeader) error 
 		rec, err = g.key.ConsulAdmit(ctx, c.Conn(), res, l.rev, holder)
 		return err
 	})
-	switch {
-	case err != nil:
+	if err != nil {
 		return fence.Unavailable(res, "the database's record of admitted tokens (fence.consul_admit, schema version 7: "+
 			"run fenceproxy migrate) could not be updated: "+err.Error())
+	}
+	if rec.Admits(l.rev, holder) {
+		return nil
+	}
+	return g.Judge(ctx, res, l.rev, holder, rec)
+}
+
+// Judge implements HolderAdmitter: what a record rec of the database that does not admit
+// token, which etcd showed held by holder, means for res.
+func (g *EtcdGuard) Judge(ctx context.Context, res string, token int64, holder string, rec fence.ConsulRecord) error {
+	switch {
 	case rec.Regression != "":
 		return g.closed(res, rec.Regression)
-	case rec.Admits(l.rev, holder):
-		return nil
-	case rec.Token <= l.rev:
+	case rec.Token <= token:
 		// Not an answer consul_admit gives (one number with two holders is a regression).
-		return fence.Unavailable(res, fmt.Sprintf("the database recorded token %d of %s for token %d of %s", rec.Token, rec.Holder, l.rev, holder))
+		return fence.Unavailable(res, fmt.Sprintf("the database recorded token %d of %s for token %d of %s", rec.Token, rec.Holder, token, holder))
 	}
 	// A higher token is recorded: a newer leader (this read is behind), or etcd's
 	// revisions went back below a token already admitted. A read started now tells.
@@ -187,7 +195,7 @@ func (g *EtcdGuard) record(ctx context.Context, res string, l etcdLeader) error 
 		return fence.Unavailable(res, "etcd's election state is unknown ("+err.Error()+"); no token is admitted without etcd's word")
 	}
 	if cur.rev >= rec.Token {
-		return fence.Stale(res, l.rev, rec.Token)
+		return fence.Stale(res, token, rec.Token)
 	}
 	return g.closed(res, fmt.Sprintf("the database admitted token %d (%s) but etcd's current leader key was created at revision %d",
 		rec.Token, rec.Holder, cur.rev))
@@ -240,21 +248,31 @@ func (g *EtcdGuard) regression(res string) *fence.Error {
 
 // Admit implements Admitter: the token must be the current leader key's CreateRevision.
 func (g *EtcdGuard) Admit(ctx context.Context, c fence.Credentials) error {
+	_, err := g.AdmitHolder(ctx, c)
+	return err
+}
+
+// AdmitHolder implements HolderAdmitter: Admit, naming the leader key's session lease, so
+// that the session's bind records (token, lease) in its own database (one token, one
+// holder, with or without --control-database).
+func (g *EtcdGuard) AdmitHolder(ctx context.Context, c fence.Credentials) (string, error) {
 	if _, ok := g.prefixes[c.Resource]; !ok {
-		return nil
+		return "", nil
 	}
 	l, _, err := g.leader(ctx, c.Resource)
-	rev := l.rev
 	if fe := g.regression(c.Resource); fe != nil {
-		return fe
+		return "", fe
 	}
-	return admitHolder(c, rev, err, holderWords{
+	if err := admitHolder(c, l.rev, err, holderWords{
 		store:        "etcd",
 		noHolder:     fmt.Sprintf("the etcd election of resource %q has no leader (token %d); the session expired or resigned", c.Resource, c.Token),
 		noHolderHint: "Campaign again and use the new leader key's CreateRevision.",
 		current:      "the CreateRevision %d of etcd's current leader key",
 		currentHint:  "Use the leader key's CreateRevision (concurrency.Election.Rev()) that this process won the election with.",
-	})
+	}); err != nil {
+		return "", err
+	}
+	return "etcd lease " + l.holder, g.record(ctx, c.Resource, l)
 }
 
 // holderWords word a guard's refusals for its store.
@@ -285,7 +303,7 @@ func admitHolder(c fence.Credentials, current int64, err error, w holderWords) e
 		fe.Hint = w.currentHint
 		return fe
 	}
-	return g.record(ctx, c.Resource, l)
+	return nil
 }
 
 // Run watches every election until ctx ends, raising each new leader's token.
@@ -389,7 +407,7 @@ func (as Admitters) AdmitHolder(ctx context.Context, c fence.Credentials) (strin
 // Judge implements HolderAdmitter: the judgement of the Admitter that validates resource.
 func (as Admitters) Judge(ctx context.Context, resource string, token int64, holder string, rec fence.ConsulRecord) error {
 	for _, a := range as {
-		if ha, ok := a.(HolderAdmitter); ok && validates(a, resource) {
+		if ha, ok := a.(HolderAdmitter); ok && guardOf(a, resource) != nil {
 			return ha.Judge(ctx, resource, token, holder, rec)
 		}
 	}

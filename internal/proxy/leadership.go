@@ -138,7 +138,7 @@ func (l *leadership) leaders() []fence.Leader {
 	})
 	for i := range out {
 		if g := guardOf(l.srv.admit, out[i].Resource); g != nil && out[i].Holder == "" {
-			out[i].Holder = g.holder(out[i].Resource, out[i].Token)
+			out[i].Holder = g.holderOf(out[i].Resource, out[i].Token)
 		}
 	}
 	return out

@@ -13,16 +13,29 @@ type storeGuard interface {
 	guards(resource string) bool
 	// store is the lock service's name, as lease.Store* names it.
 	store() string
-	// holder is the holder of token for resource as the service last showed it ("" when
+	// holderOf is the holder of token for resource as the service last showed it ("" when
 	// not known).
-	holder(resource string, token int64) string
+	holderOf(resource string, token int64) string
 }
 
-func (g *Guard) store() string     { return lease.StoreConsul }
-func (g *EtcdGuard) store() string { return lease.StoreEtcd }
+func (g *Guard) store() string          { return lease.StoreConsul }
+func (g *EtcdGuard) store() string      { return lease.StoreEtcd }
+func (g *ZooKeeperGuard) store() string { return lease.StoreZooKeeper }
 
-// holder is the session lease of the election's leader, if its token is token.
-func (g *EtcdGuard) holder(resource string, token int64) string {
+func (g *ZooKeeperGuard) guards(resource string) bool { return g.Validates(resource) }
+
+// holderOf is the ZooKeeper session that owns the lock holder's node, if its token is token.
+func (g *ZooKeeperGuard) holderOf(resource string, token int64) string {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if l := g.leaders[resource]; l.token == token && token > 0 {
+		return l.holder()
+	}
+	return ""
+}
+
+// holderOf is the session lease of the election's leader, if its token is token.
+func (g *EtcdGuard) holderOf(resource string, token int64) string {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	if l := g.leaders[resource]; l.rev == token && token > 0 {
@@ -32,6 +45,8 @@ func (g *EtcdGuard) holder(resource string, token int64) string {
 }
 
 func (g *Guard) guards(resource string) bool { return g.Validates(resource) }
+
+func (g *Guard) holderOf(resource string, token int64) string { return g.holder(resource, token) }
 
 func (g *EtcdGuard) guards(resource string) bool {
 	_, ok := g.prefixes[resource]

@@ -54,8 +54,17 @@ type ZooKeeperGuard struct {
 	conn    *zk.Conn
 	failed  int                     // reads failed in a row
 	highest map[string]int64        // resource -> the highest pzxid of its folder read
+	leaders map[string]zkHolder     // resource -> the newest lock holder read
 	regress map[string]*fence.Error // resource -> why it fails closed
 }
+
+// zkHolder is a lock's holder: its node's czxid (the token; 0: none) and the session that
+// owns the node (ephemeralOwner).
+type zkHolder struct {
+	token, owner int64
+}
+
+func (h zkHolder) holder() string { return fmt.Sprintf("zookeeper session %x", h.owner) }
 
 type zkMetrics struct {
 	regressions *prometheus.CounterVec
@@ -88,7 +97,7 @@ func NewZooKeeperGuard(ctx context.Context, cfg Config, opts ZooKeeperGuardOptio
 	}
 	g := &ZooKeeperGuard{
 		servers: cfg.ZKServers, reg: opts.Registry, log: opts.Logger, dirs: map[string]string{}, key: s.Key,
-		highest: map[string]int64{}, regress: map[string]*fence.Error{},
+		highest: map[string]int64{}, leaders: map[string]zkHolder{}, regress: map[string]*fence.Error{},
 	}
 	if g.log == nil {
 		g.log = zap.NewNop()
@@ -180,13 +189,13 @@ func (g *ZooKeeperGuard) readFailed(conn *zk.Conn) {
 // and, with watch, a channel that fires when the folder's children change (or, while the
 // folder is missing, when it is created). A folder whose pzxid is below one read before is
 // a regression, and fails the resource closed.
-func (g *ZooKeeperGuard) holder(ctx context.Context, res string, watch bool) (int64, <-chan zk.Event, error) {
+func (g *ZooKeeperGuard) holder(ctx context.Context, res string, watch bool) (zkHolder, <-chan zk.Event, error) {
 	dir := g.dirs[res]
 	conn := g.client()
 	rctx, cancel := context.WithTimeout(ctx, zkReadTimeout)
 	defer cancel()
 	// Written by the call; read only when it returned (not after a timeout).
-	var token int64
+	var h zkHolder
 	var wch <-chan zk.Event
 	err := lease.ZooKeeperCall(rctx, func() error {
 		if _, err := conn.Sync(dir); err != nil && !errors.Is(err, zk.ErrNoNode) {
@@ -202,7 +211,7 @@ func (g *ZooKeeperGuard) holder(ctx context.Context, res string, watch bool) (in
 				children, st, err = conn.Children(dir)
 			}
 			if errors.Is(err, zk.ErrNoNode) { // no folder: nobody ever took the lock
-				token = 0
+				h = zkHolder{}
 				if !watch {
 					return nil
 				}
@@ -218,7 +227,7 @@ func (g *ZooKeeperGuard) holder(ctx context.Context, res string, watch bool) (in
 			g.checkPzxid(res, st.Pzxid)
 			locks := lease.ZooKeeperLockOrder(children)
 			if len(locks) == 0 {
-				token = 0
+				h = zkHolder{}
 				return nil
 			}
 			ok, hst, err := conn.Exists(dir + "/" + locks[0])
@@ -226,7 +235,7 @@ func (g *ZooKeeperGuard) holder(ctx context.Context, res string, watch bool) (in
 				return fmt.Errorf("read %s/%s: %w", dir, locks[0], err)
 			}
 			if ok {
-				token = hst.Czxid
+				h = zkHolder{token: hst.Czxid, owner: hst.EphemeralOwner}
 				return nil
 			}
 		}
@@ -235,15 +244,24 @@ func (g *ZooKeeperGuard) holder(ctx context.Context, res string, watch bool) (in
 	if err != nil {
 		g.readFailed(conn)
 		g.metrics.known.WithLabelValues(res).Set(0)
-		return 0, nil, err
+		return zkHolder{}, nil, err
 	}
 	g.mu.Lock()
 	if g.conn == conn {
 		g.failed = 0
 	}
+	// One token, one holder: a czxid names one node, and so one session. The same czxid
+	// owned by another session means ZooKeeper issued the number twice (it lost its data
+	// and its zxids came up again to a token already admitted).
+	switch prev := g.leaders[res]; {
+	case h.token > 0 && prev.token == h.token && prev.owner != h.owner:
+		g.failClosed(res, fmt.Sprintf("ZooKeeper issued zxid %d twice: to the lock node of session %x, then of session %x", h.token, prev.owner, h.owner))
+	case h.token > prev.token:
+		g.leaders[res] = h
+	}
 	g.mu.Unlock()
 	g.metrics.known.WithLabelValues(res).Set(1)
-	return token, wch, nil
+	return h, wch, nil
 }
 
 // checkPzxid fails res closed when its folder's pzxid went back.
@@ -291,21 +309,60 @@ func (g *ZooKeeperGuard) Validates(resource string) bool {
 
 // Admit implements Admitter: the token must be the czxid of the current holder's lock node.
 func (g *ZooKeeperGuard) Admit(ctx context.Context, c fence.Credentials) error {
+	_, err := g.AdmitHolder(ctx, c)
+	return err
+}
+
+// AdmitHolder implements HolderAdmitter: Admit, naming the session that owns the lock node,
+// so that the session's bind records (token, session) in its own database (one token, one
+// holder, with or without --control-database; Judge says what a record that refuses means).
+func (g *ZooKeeperGuard) AdmitHolder(ctx context.Context, c fence.Credentials) (string, error) {
 	if _, ok := g.dirs[c.Resource]; !ok {
-		return nil
+		return "", nil
 	}
-	token, _, err := g.holder(ctx, c.Resource, false)
+	h, _, err := g.holder(ctx, c.Resource, false)
 	if fe := g.regression(c.Resource); fe != nil {
-		return fe
+		return "", fe
 	}
-	return admitHolder(c, token, err, holderWords{
+	if err := admitHolder(c, h.token, err, holderWords{
 		store: "ZooKeeper",
 		noHolder: fmt.Sprintf("the ZooKeeper lock folder %s of resource %q has no lock node (token %d); the holder's session expired or it released the lock",
 			g.dirs[c.Resource], c.Resource, c.Token),
 		noHolderHint: "Take the lock again and use the new lock node's czxid.",
 		current:      "the czxid %d of ZooKeeper's current lock node",
 		currentHint:  "Use the czxid of the lock node this process holds the lock with (its Stat after creating it).",
-	})
+	}); err != nil {
+		return "", err
+	}
+	return h.holder(), nil
+}
+
+// Judge implements HolderAdmitter: what a record rec of the database that does not admit
+// token, which ZooKeeper showed held by holder, means for res: a regression recorded (or
+// the same token recorded for another session) fails the resource closed; a higher token
+// recorded is stale when ZooKeeper now shows a holder at or above it, and a regression
+// otherwise.
+func (g *ZooKeeperGuard) Judge(ctx context.Context, res string, token int64, holder string, rec fence.ConsulRecord) error {
+	fail := func(why string) error {
+		g.mu.Lock()
+		g.failClosed(res, why)
+		g.mu.Unlock()
+		return g.regression(res)
+	}
+	switch {
+	case rec.Regression != "":
+		return fail(rec.Regression)
+	case rec.Token <= token:
+		return fence.Unavailable(res, fmt.Sprintf("the database recorded token %d of %s for token %d of %s", rec.Token, rec.Holder, token, holder))
+	}
+	cur, _, err := g.holder(ctx, res, false)
+	if err != nil {
+		return fence.Unavailable(res, "ZooKeeper's lock state is unknown ("+err.Error()+"); no token is admitted without ZooKeeper's word")
+	}
+	if cur.token >= rec.Token {
+		return fence.Stale(res, token, rec.Token)
+	}
+	return fail(fmt.Sprintf("the database admitted token %d (%s) but ZooKeeper's lock holder's node was created at zxid %d", rec.Token, rec.Holder, cur.token))
 }
 
 // Run watches every lock folder until ctx ends, raising each new holder's token.
@@ -326,7 +383,8 @@ func (g *ZooKeeperGuard) Run(ctx context.Context) error {
 func (g *ZooKeeperGuard) follow(ctx context.Context, res string) {
 	log := g.log.With(zap.String("resource", res), zap.String("store", lease.StoreZooKeeper))
 	for ctx.Err() == nil {
-		token, wch, err := g.holder(ctx, res, true)
+		h, wch, err := g.holder(ctx, res, true)
+		token := h.token
 		if err != nil {
 			log.Warn("read ZooKeeper lock folder", zap.String("folder", g.dirs[res]), zap.Error(err))
 			sleep(ctx, time.Second)
