@@ -92,17 +92,8 @@ func NewEtcdGuard(ctx context.Context, cfg Config, opts EtcdGuardOptions) (*Etcd
 		if !ok || prefix == "" {
 			return nil, fmt.Errorf("etcd-resource %q: want NAME=PREFIX (the election prefix of fenceproxy lock --store etcd, e.g. billing=locks/billing)", spec)
 		}
-		known := false
-		for _, r := range s.resources {
-			if r.Name == name {
-				known = true
-				if r.Key != "" {
-					return nil, fmt.Errorf("etcd-resource %q: resource %s is validated against Consul already", spec, name)
-				}
-			}
-		}
-		if !known {
-			return nil, fmt.Errorf("etcd-resource %q: %s is not a --resource", spec, name)
+		if err := plainResource(s, "etcd-resource", spec, name); err != nil {
+			return nil, err
 		}
 		g.prefixes[name] = strings.TrimSuffix(prefix, "/") + "/"
 	}
@@ -428,6 +419,20 @@ func (as Admitters) Validates(resource string) bool {
 		}
 	}
 	return false
+}
+
+// plainResource checks that name, from spec of a guard's flag, is a --resource that no
+// other lock service validates (one without a Consul key).
+func plainResource(s *settings, flag, spec, name string) error {
+	for _, r := range s.resources {
+		if r.Name == name {
+			if r.Key != "" {
+				return fmt.Errorf("%s %q: resource %s is validated against Consul already", flag, spec, name)
+			}
+			return nil
+		}
+	}
+	return fmt.Errorf("%s %q: %s is not a --resource", flag, spec, name)
 }
 
 // raiseStored raises res's token in the database through pool (a guard's proactive raise)

@@ -108,17 +108,8 @@ func NewZooKeeperGuard(ctx context.Context, cfg Config, opts ZooKeeperGuardOptio
 		if !strings.HasPrefix(dir, "/") {
 			return nil, fmt.Errorf("zk-resource %q: want NAME or NAME=PATH with an absolute lock folder (that of fenceproxy lock --store zookeeper, e.g. billing=/locks/billing)", spec)
 		}
-		known := false
-		for _, r := range s.resources {
-			if r.Name == name {
-				known = true
-				if r.Key != "" {
-					return nil, fmt.Errorf("zk-resource %q: resource %s is validated against Consul already", spec, name)
-				}
-			}
-		}
-		if !known {
-			return nil, fmt.Errorf("zk-resource %q: %s is not a --resource", spec, name)
+		if err := plainResource(s, "zk-resource", spec, name); err != nil {
+			return nil, err
 		}
 		g.dirs[name] = dir
 	}

@@ -174,3 +174,31 @@ func gathered(t *testing.T, reg *prometheus.Registry, name, resource string) flo
 	}
 	return 0
 }
+
+// TestZooKeeperGuardConfig: a misconfigured --zk-resource fails the start with the cause.
+func TestZooKeeperGuardConfig(t *testing.T) {
+	t.Parallel()
+	base := proxy.Config{
+		Upstream:  "postgres://127.0.0.1:5432",
+		Resources: []string{"billing", "orders=locks/orders"},
+		ZKServers: []string{"127.0.0.1:2181"},
+		Key:       testenv.Key,
+	}
+	for _, tc := range []struct {
+		servers   []string
+		resources []string
+		want      string
+	}{
+		{nil, []string{"billing"}, "zk-resource needs zk-servers"},
+		{base.ZKServers, []string{"ledger"}, "ledger is not a --resource"},
+		{base.ZKServers, []string{"orders"}, "validated against Consul already"},
+		{base.ZKServers, []string{"billing=locks/billing"}, "absolute lock folder"},
+	} {
+		cfg := base
+		cfg.ZKServers, cfg.ZKResources = tc.servers, tc.resources
+		g, err := proxy.NewZooKeeperGuard(context.Background(), cfg, proxy.ZooKeeperGuardOptions{Registry: fence.NewRegistry()})
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("servers %v, resources %v: %v, %v; want an error saying %q", tc.servers, tc.resources, g, err, tc.want)
+		}
+	}
+}
