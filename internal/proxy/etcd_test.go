@@ -110,8 +110,8 @@ func TestEtcdGuard(t *testing.T) {
 // its revisions come up again until a new leader key gets the very revision an earlier
 // leader was admitted with. A proxy that did not see the restore happen (here: one started
 // after it; in a review, one frozen through it) must not admit the second holder of that
-// number: the database's record of (token, session lease) refuses it with ZF007, and keeps
-// the regression for every proxy.
+// number: the database's record of (token, session lease) refuses it with ZF007, keeps
+// the regression for every proxy, and ends the first holder's sessions.
 func TestEtcdGuardOneHolderPerToken(t *testing.T) {
 	t.Parallel()
 	pg, admin := fencedDB(t)
@@ -162,7 +162,11 @@ func TestEtcdGuardOneHolderPerToken(t *testing.T) {
 	if n := count(t, admin, "SELECT count(*)::int FROM fence.consul_tokens WHERE resource = 'billing' AND regression IS NOT NULL"); n != 1 {
 		t.Errorf("regression not recorded in the database (rows %d)", n)
 	}
-	mustExec(t, conn, "INSERT INTO items (tag, token) VALUES ('a again', $1)", a.Token())
+	// Its first holder is deposed too (migration 8's C5): neither holder of the number
+	// issued twice writes on.
+	if _, err := conn.Exec(ctxT(t), "INSERT INTO items (tag, token) VALUES ('a again', $1)", a.Token()); err == nil {
+		t.Error("the first holder of the token etcd issued twice still writes")
+	}
 }
 
 // etcdCampaign wins the election of resource billing as holder (TTL 5 s), released when
