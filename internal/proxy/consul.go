@@ -59,7 +59,6 @@ const GuardApplicationName = "fenceproxy guard"
 //   - A regression misread from stale state (raises of quick hand-overs crossing): judge
 //     decides with a consistent read made after the database answered, so the current
 //     leader is never refused for a token the database stored from a later hand-over.
-//
 //   - Consul handing the current number to a second session without ever showing a lower one
 //     (one transaction that writes the held key, unlocks it and locks it for another
 //     session): the watch takes the same token under another session for a regression, and
