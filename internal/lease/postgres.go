@@ -35,8 +35,9 @@ type PostgresStore struct {
 	// TTL is the lease's time to live, 1 s to 24 h; default DefaultTTL.
 	TTL time.Duration
 	// Holder names this process in the lease row; default host:pid:random, drawn anew for
-	// each Campaign. Two stores with the same holder name would each re-acquire the other's
-	// lease: keep names unique.
+	// each Campaign. A held lease is never taken by naming its holder (schema version 8): a
+	// restarted process with a fixed name waits for its old lease to expire. Keep names
+	// unique all the same: two stores with one name renew and release each other's lease.
 	Holder string
 	// Logger (nil: no logs).
 	Logger *zap.Logger

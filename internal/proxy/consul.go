@@ -59,8 +59,15 @@ const GuardApplicationName = "fenceproxy guard"
 //   - A regression misread from stale state (raises of quick hand-overs crossing): judge
 //     decides with a consistent read made after the database answered, so the current
 //     leader is never refused for a token the database stored from a later hand-over.
+//   - Consul handing the current number to a second session without ever showing a lower one
+//     (one transaction that writes the held key, unlocks it and locks it for another
+//     session): the watch takes the same token under another session for a regression, and
+//     every bind records (token, holder) in its own database before it binds
+//     (fence.ConsulBindQuery, C5 in migration 8), where the second holder is refused and the
+//     first one's backends are ended in the transaction that records the regression.
 //
-// Without a control database only the first three and the watch of each process remain.
+// Without a control database the proactive raise and the shared record of regressions a watch
+// saw are gone; the holder record of the protected database (C2, C5) stays.
 type Guard struct {
 	watcher  *lease.Watcher
 	reg      *fence.Registry
@@ -417,6 +424,7 @@ func (g *Guard) onChange(st lease.State) {
 		// Sessions of older tokens are ended from now on, in every database;
 		// the database raise makes it binding for every proxy.
 		g.reg.Observe("", res, tok)
+		g.reg.SetHolder(res, tok, st.Session) // the status page and /status name Consul's session
 		go g.raise(res, st.Key, tok, st.Session)
 	}
 }

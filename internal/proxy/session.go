@@ -3,6 +3,7 @@ package proxy
 import (
 	"bufio"
 	"bytes"
+	"cmp"
 	"context"
 	"crypto/tls"
 	"encoding/binary"
@@ -707,7 +708,8 @@ func (sess *session) bound(ctx context.Context, row [][]byte, serverErr *pgproto
 		return fatalf(fence.CodeUnavailable, "fenceproxy could not read the stored token for resource %q", c.Resource)
 	}
 	sess.srv.reg.Observe(sess.database, c.Resource, stored)
-	sess.srv.reg.SetHolder(c.Resource, c.Token, c.Session)
+	// Consul's word on the holder (the session from the consistent read) before the client's.
+	sess.srv.reg.SetHolder(c.Resource, c.Token, cmp.Or(sess.holder, c.Session))
 	if stored > c.Token { // fence.bind refuses this itself; never trust one side alone
 		return fatalFence(fence.Stale(c.Resource, c.Token, stored))
 	}
