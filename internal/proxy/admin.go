@@ -5,6 +5,7 @@ import (
 	_ "embed" // the status page
 	"encoding/json"
 	"fmt"
+	"net"
 	"net/http"
 	"slices"
 	"strconv"
@@ -153,6 +154,29 @@ func (s *Server) AdminMux(metrics http.Handler) *http.ServeMux {
 		writeJSON(w, http.StatusOK, s.Status(r.Context()))
 	})
 	return mux
+}
+
+// AdminHosts guards an admin listener on loopback against DNS rebinding: a web page whose
+// name an attacker points at 127.0.0.1 makes the browser send its own name as Host, so
+// only loopback addresses, "localhost" and the names in allowed (each with any port or
+// none) reach h; any other Host gets 421 Misdirected Request. /status shows Consul
+// sessions, roles, addresses and pids: not for any page the operator's browser visits.
+func AdminHosts(h http.Handler, allowed []string) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		host := r.Host
+		if hh, _, err := net.SplitHostPort(host); err == nil {
+			host = hh
+		}
+		host = strings.ToLower(strings.TrimSuffix(strings.TrimPrefix(host, "["), "]"))
+		ip := net.ParseIP(host)
+		if host == "localhost" || (ip != nil && ip.IsLoopback()) || slices.ContainsFunc(allowed, func(a string) bool { return strings.EqualFold(a, host) }) {
+			h.ServeHTTP(w, r)
+			return
+		}
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+		w.WriteHeader(http.StatusMisdirectedRequest)
+		fmt.Fprintf(w, "fenceproxy admin listener: Host %q is not a loopback address or localhost (fenceproxy --admin-allowed-hosts allows a name)\n", r.Host)
+	})
 }
 
 func writeJSON(w http.ResponseWriter, code int, v any) {

@@ -3,6 +3,8 @@ package proxy_test
 import (
 	"fmt"
 	"net"
+	"net/http"
+	"net/http/httptest"
 	"strconv"
 	"strings"
 	"testing"
@@ -129,5 +131,25 @@ func waitFor(t *testing.T, what string, cond func() (bool, string)) {
 			t.Fatalf("%s: not within a minute; last: %s", what, last)
 		}
 		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// TestAdminHosts: an admin listener on loopback answers only requests whose Host is a
+// loopback address, localhost or an allowed name (DNS rebinding gets 421).
+func TestAdminHosts(t *testing.T) {
+	t.Parallel()
+	h := proxy.AdminHosts(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {}), []string{"proxy.internal"})
+	for host, want := range map[string]int{
+		"127.0.0.1:9187": 200, "127.0.0.2": 200, "localhost:9187": 200, "LOCALHOST": 200, "[::1]:9187": 200,
+		"proxy.internal:9187": 200, "evil.example": 421, "evil.example:9187": 421, "127.0.0.1.evil.example": 421,
+		"localhost.evil.example:9187": 421, "10.0.0.1:9187": 421, "": 421,
+	} {
+		req := httptest.NewRequest(http.MethodGet, "/status", nil)
+		req.Host = host
+		rec := httptest.NewRecorder()
+		h.ServeHTTP(rec, req)
+		if rec.Code != want {
+			t.Errorf("Host %q: %d, want %d", host, rec.Code, want)
+		}
 	}
 }
