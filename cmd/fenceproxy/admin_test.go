@@ -140,12 +140,12 @@ func TestServeAdminAndReload(t *testing.T) {
 		Ready     bool
 		Resources []struct {
 			Resource string
-			Token    int64
+			Token    int64 `json:"token,string"`
 			Sessions map[string]int
 		}
 		Refusals []struct {
 			Resource string
-			Token    int64
+			Token    int64 `json:"token,string"`
 			SQLState string
 		}
 	}

@@ -29,7 +29,7 @@ type ResourceStatus struct {
 	Resource string `json:"resource"`
 	// Token is the highest token known to be admitted (0: none yet); Holder its holder when
 	// known (a Consul session).
-	Token      int64      `json:"token"`
+	Token      int64      `json:"token,string"` // a string: JSON numbers lose precision above 2^53 in a script
 	Holder     string     `json:"holder,omitempty"`
 	AdmittedAt *time.Time `json:"admitted_at,omitempty"` // when this proxy learned of Token
 	Changes    int64      `json:"changes"`
@@ -37,6 +37,9 @@ type ResourceStatus struct {
 	Blocked    string     `json:"blocked,omitempty"` // why every session is refused
 	// Sessions counts the sessions open through this proxy, by token.
 	Sessions map[string]int `json:"sessions"`
+	// Removed: the proxy no longer serves the resource (a reload removed it) and lists it
+	// only while sessions of it remain open.
+	Removed bool `json:"removed,omitempty"`
 }
 
 // readyTimeout bounds each readiness check.
@@ -81,9 +84,10 @@ func (s *Server) Status(ctx context.Context) Status {
 	st.Sessions = len(s.sessions)
 	s.mu.Unlock()
 	now := time.Now()
+	names := s.conf().names
 	for _, l := range s.lead.leaders() {
 		r := ResourceStatus{Resource: l.Resource, Token: l.Token, Holder: l.Holder, Changes: l.Changes,
-			Flapping: s.lead.isFlapping(l.Resource, now), Sessions: map[string]int{}}
+			Flapping: s.lead.isFlapping(l.Resource, now), Sessions: map[string]int{}, Removed: !slices.Contains(names, l.Resource)}
 		if !l.Since.IsZero() {
 			r.AdmittedAt = &l.Since
 		}
