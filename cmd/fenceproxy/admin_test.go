@@ -117,6 +117,14 @@ func TestServeAdminAndReload(t *testing.T) {
 	get := func(path string) (int, string) { return httpGet(t, base+path) }
 	eventually(t, "healthz", func() (bool, string) { c, b := get("/healthz"); return c == 200, b })
 	eventually(t, "readyz", func() (bool, string) { c, b := get("/readyz"); return c == 200, b })
+	// On loopback, a Host that is no loopback name is refused (DNS rebinding).
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, base+"/status", nil)
+	req.Host = "evil.example"
+	if resp, err := http.DefaultClient.Do(req); err != nil || resp.StatusCode != http.StatusMisdirectedRequest {
+		t.Fatalf("/status with Host evil.example: %v %v, want 421", resp, err)
+	} else {
+		resp.Body.Close()
+	}
 
 	url := "postgres://postgres:postgres@" + addr + "/postgres?sslmode=disable"
 	conn, err := pgx.Connect(ctx, url+"&fence.resource=billing&fence.token=3")
@@ -132,12 +140,12 @@ func TestServeAdminAndReload(t *testing.T) {
 		Ready     bool
 		Resources []struct {
 			Resource string
-			Token    int64
+			Token    int64 `json:"token,string"`
 			Sessions map[string]int
 		}
 		Refusals []struct {
 			Resource string
-			Token    int64
+			Token    int64 `json:"token,string"`
 			SQLState string
 		}
 	}
@@ -204,6 +212,44 @@ func TestServeAdminAndReload(t *testing.T) {
 	})
 	if err := conn.Ping(ctx); err != nil {
 		t.Fatalf("the session after the second reload: %v", err)
+	}
+
+	// What a reload refuses changes nothing, and the log says what and where.
+	for _, bad := range []struct {
+		file, want string
+	}{
+		{`{"max-clients": -1`, cfgFile + ": empty or truncated"},
+		{`{"max_client": 70}`, cfgFile + ": unknown key(s) max-client"},
+		{`{"max-clients": -1}`, "max-clients -1: must not be negative"},
+		{`{"flap-changes": 0}`, "flap-changes 0: must be 1 or more"},
+	} {
+		file := bad.file
+		if !strings.HasSuffix(file, "-1") { // a whole object: the rest of the configuration too
+			var extra map[string]any
+			if err := json.Unmarshal([]byte(file), &extra); err != nil {
+				t.Fatal(err)
+			}
+			next := map[string]any{}
+			for k, v := range conf {
+				next[k] = v
+			}
+			for k, v := range extra {
+				next[k] = v
+			}
+			b, _ := json.Marshal(next)
+			file = string(b)
+		}
+		if err := os.WriteFile(cfgFile, []byte(file), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		cmd.Process.Signal(syscall.SIGHUP) //nolint:errcheck
+		eventually(t, "refused reload logged: "+bad.want, func() (bool, string) {
+			return strings.Contains(logs.String(), bad.want) && strings.Contains(logs.String(), "nothing changed"), logs.String()
+		})
+	}
+	writeConf(conf)
+	if strings.Contains(logs.String(), "max-clients -1 (was") {
+		t.Fatalf("a refused reload applied max-clients -1:\n%s", logs.String())
 	}
 
 	// PostgreSQL down: not ready; back: ready again.

@@ -21,6 +21,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"slices"
 	"strings"
 	"syscall"
 
@@ -80,11 +81,27 @@ func newLogger(level, format string) (*zap.Logger, zap.AtomicLevel, error) {
 // configJSON is kong.JSON with the file's keys read as the flag names they are documented to
 // be: kong's resolver looks a flag up only as snake_case or camelCase, so a key such as
 // "key-file" or "shutdown-grace" was silently ignored (and a proxy configured with its key
-// file in the file refused to start, "key-file is required").
+// file in the file refused to start, "key-file is required"). A key that is no flag (a
+// misspelling) is refused, and a file that is no JSON object is named with what is wrong.
 func configJSON(r io.Reader) (kong.Resolver, error) {
+	file := "configuration file"
+	if f, ok := r.(interface{ Name() string }); ok {
+		file = "configuration file " + f.Name()
+	}
 	var values map[string]json.RawMessage
-	if err := json.NewDecoder(r).Decode(&values); err != nil {
-		return nil, err
+	dec := json.NewDecoder(r)
+	if err := dec.Decode(&values); err != nil {
+		if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
+			return nil, fmt.Errorf("%s: empty or truncated: want one JSON object whose keys are flag names (%w)", file, err)
+		}
+		var se *json.SyntaxError
+		if errors.As(err, &se) {
+			return nil, fmt.Errorf("%s: invalid JSON at byte %d: %w", file, se.Offset, err)
+		}
+		return nil, fmt.Errorf("%s: want one JSON object whose keys are flag names: %w", file, err)
+	}
+	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
+		return nil, fmt.Errorf("%s: more than one JSON value", file)
 	}
 	keys := make(map[string]json.RawMessage, len(values))
 	for k, v := range values {
@@ -98,7 +115,58 @@ func configJSON(r io.Reader) (kong.Resolver, error) {
 	if err != nil {
 		return nil, err
 	}
-	return kong.JSON(bytes.NewReader(b))
+	res, err := kong.JSON(bytes.NewReader(b))
+	if err != nil {
+		return nil, err
+	}
+	return knownKeys{Resolver: res, file: file, keys: keys}, nil
+}
+
+// knownKeys refuses a configuration file with a key that names no flag of any command.
+type knownKeys struct {
+	kong.Resolver
+	file string
+	keys map[string]json.RawMessage
+}
+
+// Validate implements kong.Resolver.
+func (k knownKeys) Validate(app *kong.Application) error {
+	flags := map[string]bool{}
+	var walk func(n *kong.Node)
+	walk = func(n *kong.Node) {
+		for _, f := range n.Flags {
+			for _, name := range append([]string{f.Name}, f.Aliases...) {
+				flags[strings.ReplaceAll(name, "-", "_")] = true
+				flags[camelCase(name)] = true // kong's own second spelling
+			}
+		}
+		for _, c := range n.Children {
+			walk(c)
+		}
+	}
+	walk(app.Node)
+	var unknown []string
+	for key := range k.keys {
+		if !flags[key] {
+			unknown = append(unknown, strings.ReplaceAll(key, "_", "-"))
+		}
+	}
+	if len(unknown) > 0 {
+		slices.Sort(unknown)
+		return fmt.Errorf("%s: unknown key(s) %s: the keys are the flag names (fenceproxy serve --help)", k.file, strings.Join(unknown, ", "))
+	}
+	return k.Resolver.Validate(app)
+}
+
+// camelCase is name (a flag's, "key-file") as kong's JSON resolver also reads it ("keyFile").
+func camelCase(name string) string {
+	parts := strings.Split(name, "-")
+	for i := 1; i < len(parts); i++ {
+		if parts[i] != "" {
+			parts[i] = strings.ToUpper(parts[i][:1]) + parts[i][1:]
+		}
+	}
+	return strings.Join(parts, "")
 }
 
 func main() {

@@ -324,6 +324,14 @@ func TestUsageErrors(t *testing.T) {
 	if err := os.WriteFile(twice, []byte(`{"key-file": "a", "key_file": "b"}`), 0o600); err != nil {
 		t.Fatal(err)
 	}
+	truncated := filepath.Join(dir, "truncated.json")
+	if err := os.WriteFile(truncated, []byte(`{"max-clients": 5, "resource": ["bill`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	misspelled := filepath.Join(dir, "misspelled.json")
+	if err := os.WriteFile(misspelled, []byte(`{"max_client": 5, "keyFile": "k"}`), 0o600); err != nil {
+		t.Fatal(err)
+	}
 	serve := func(args ...string) []string {
 		return append([]string{"serve", "--upstream", "postgres://127.0.0.1:1"}, args...)
 	}
@@ -342,6 +350,12 @@ func TestUsageErrors(t *testing.T) {
 		{"missing key file", serve("--resource", "billing", "--key-file", filepath.Join(dir, "missing.key")), 1, "missing.key"},
 		{"malformed key file", serve("--resource", "billing", "--key-file", badKey), 1, "not hex"},
 		{"config key given twice", serve("--config", twice), 2, `configuration key "key`},
+		{"negative max-clients", serve("--max-clients=-1"), 1, "max-clients -1: must not be negative"},
+		{"negative login-timeout", serve("--login-timeout=-1s"), 1, "login-timeout -1s: must not be negative"},
+		{"negative flap-window", serve("--flap-window=-5m"), 1, "flap-window -5m0s: must not be negative"},
+		{"flap-changes 0", serve("--flap-changes=0"), 2, "flap-changes 0: must be 1 or more"},
+		{"truncated config file", serve("--config", truncated), 2, "truncated.json: empty or truncated"},
+		{"unknown config key", serve("--config", misspelled), 2, "misspelled.json: unknown key(s) max-client:"},
 		{"fence reset to token 0", []string{"fence", "reset", "--database", "postgres://127.0.0.1:1/app", "--resource", "billing", "--token", "0"}, 1, "positive integer"},
 		{"migrate without a database", []string{"migrate", "--key-file", filepath.Join(dir, "k")}, 2, "database"},
 	}

@@ -27,6 +27,16 @@ type ServeCmd struct {
 	proxy.Config `embed:""`
 }
 
+// Validate refuses what proxy.Config takes as "the default" but a command line or
+// configuration file can only mean as a mistake: --flap-changes 0 (its default is 3; 0 would
+// call every leader change flapping). kong runs it at startup and at each reload.
+func (s *ServeCmd) Validate() error {
+	if s.FlapChanges < 1 {
+		return fmt.Errorf("flap-changes %d: must be 1 or more", s.FlapChanges)
+	}
+	return nil
+}
+
 // checkConsul fails the start on a misconfigured or unreachable Consul, with the cause.
 func checkConsul(ctx context.Context, guard *proxy.Guard, timeout time.Duration) error {
 	if timeout <= 0 {
@@ -113,7 +123,12 @@ func (s *ServeCmd) Run(ctx context.Context, log *zap.Logger, level zap.AtomicLev
 			mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
 			mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
 		}
-		hs := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+		var handler http.Handler = mux
+		if ta, ok := aln.Addr().(*net.TCPAddr); ok && ta.IP.IsLoopback() {
+			// Reached only from this machine, but also by its browsers: no DNS rebinding.
+			handler = proxy.AdminHosts(mux, s.AdminAllowedHosts)
+		}
+		hs := &http.Server{Handler: handler, ReadHeaderTimeout: 5 * time.Second}
 		log.Info("admin listening", zap.String("admin", aln.Addr().String()))
 		go func() {
 			if err := hs.Serve(aln); err != nil && !errors.Is(err, http.ErrServerClosed) {

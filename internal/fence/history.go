@@ -14,10 +14,10 @@ type HistoryEntry struct {
 	ID       int64     `json:"id"`
 	At       time.Time `json:"at"`
 	Resource string    `json:"resource"`
-	Token    int64     `json:"token"`
-	Previous *int64    `json:"previous,omitempty"` // the token before (nil or 0: none)
-	Holder   string    `json:"holder,omitempty"`   // a PostgreSQL lease's holder
-	Reset    bool      `json:"reset"`              // fence.reset, an operator's
+	Token    int64     `json:"token,string"`              // strings: a script's numbers lose precision above 2^53
+	Previous *int64    `json:"previous,omitempty,string"` // the token before (nil or 0: none)
+	Holder   string    `json:"holder,omitempty"`          // a PostgreSQL lease's holder
+	Reset    bool      `json:"reset"`                     // fence.reset, an operator's
 	// Who raised it: the role, the client's application_name (its own word), its address
 	// ("" for a Unix socket) and the backend's pid.
 	Role            string `json:"role"`

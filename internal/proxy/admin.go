@@ -5,6 +5,7 @@ import (
 	_ "embed" // the status page
 	"encoding/json"
 	"fmt"
+	"net"
 	"net/http"
 	"slices"
 	"strconv"
@@ -31,7 +32,7 @@ type ResourceStatus struct {
 	Store string `json:"store"`
 	// Token is the highest token known to be admitted (0: none yet); Holder its holder when
 	// known (a Consul session).
-	Token      int64      `json:"token"`
+	Token      int64      `json:"token,string"` // a string: JSON numbers lose precision above 2^53 in a script
 	Holder     string     `json:"holder,omitempty"`
 	AdmittedAt *time.Time `json:"admitted_at,omitempty"` // when this proxy learned of Token
 	Changes    int64      `json:"changes"`
@@ -39,6 +40,9 @@ type ResourceStatus struct {
 	Blocked    string     `json:"blocked,omitempty"` // why every session is refused
 	// Sessions counts the sessions open through this proxy, by token.
 	Sessions map[string]int `json:"sessions"`
+	// Removed: the proxy no longer serves the resource (a reload removed it) and lists it
+	// only while sessions of it remain open.
+	Removed bool `json:"removed,omitempty"`
 }
 
 // readyTimeout bounds each readiness check.
@@ -83,9 +87,10 @@ func (s *Server) Status(ctx context.Context) Status {
 	st.Sessions = len(s.sessions)
 	s.mu.Unlock()
 	now := time.Now()
+	names := s.conf().names
 	for _, l := range s.lead.leaders() {
 		r := ResourceStatus{Resource: l.Resource, Store: storeOf(s.admit, l.Resource), Token: l.Token, Holder: l.Holder, Changes: l.Changes,
-			Flapping: s.lead.isFlapping(l.Resource, now), Sessions: map[string]int{}}
+			Flapping: s.lead.isFlapping(l.Resource, now), Sessions: map[string]int{}, Removed: !slices.Contains(names, l.Resource)}
 		if !l.Since.IsZero() {
 			r.AdmittedAt = &l.Since
 		}
@@ -156,6 +161,29 @@ func (s *Server) AdminMux(metrics http.Handler) *http.ServeMux {
 		writeJSON(w, http.StatusOK, s.Status(r.Context()))
 	})
 	return mux
+}
+
+// AdminHosts guards an admin listener on loopback against DNS rebinding: a web page whose
+// name an attacker points at 127.0.0.1 makes the browser send its own name as Host, so
+// only loopback addresses, "localhost" and the names in allowed (each with any port or
+// none) reach h; any other Host gets 421 Misdirected Request. /status shows Consul
+// sessions, roles, addresses and pids: not for any page the operator's browser visits.
+func AdminHosts(h http.Handler, allowed []string) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		host := r.Host
+		if hh, _, err := net.SplitHostPort(host); err == nil {
+			host = hh
+		}
+		host = strings.ToLower(strings.TrimSuffix(strings.TrimPrefix(host, "["), "]"))
+		ip := net.ParseIP(host)
+		if host == "localhost" || (ip != nil && ip.IsLoopback()) || slices.ContainsFunc(allowed, func(a string) bool { return strings.EqualFold(a, host) }) {
+			h.ServeHTTP(w, r)
+			return
+		}
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+		w.WriteHeader(http.StatusMisdirectedRequest)
+		fmt.Fprintf(w, "fenceproxy admin listener: Host %q is not a loopback address or localhost (fenceproxy --admin-allowed-hosts allows a name)\n", r.Host)
+	})
 }
 
 func writeJSON(w http.ResponseWriter, code int, v any) {

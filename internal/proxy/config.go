@@ -82,6 +82,9 @@ type Config struct {
 	// MetricsListen is the admin listener: /metrics, /healthz, /readyz, /status and the
 	// status page (empty: off). A port alone (":9187") listens on loopback.
 	MetricsListen string `help:"Admin listener (alias --admin-listen), HOST:PORT or :PORT (loopback): /metrics, /healthz, /readyz, /status, /history and the status page at / (empty: off)." aliases:"admin-listen"`
+	// AdminAllowedHosts are the names, besides loopback addresses and localhost, that a
+	// request's Host may be on an admin listener on loopback (AdminHosts).
+	AdminAllowedHosts []string `help:"Host names (comma-separated) besides loopback addresses and localhost that requests to a loopback admin listener may name in their Host header (others get 421: DNS rebinding)." name:"admin-allowed-hosts" sep:","`
 	// DebugPprof also serves Go's profiler on MetricsListen (/debug/pprof/).
 	DebugPprof bool `help:"Also serve Go's profiler at /debug/pprof/ on --metrics-listen (for performance work)."`
 	// FlapChanges and FlapWindow define flapping: more than FlapChanges leader changes of a
@@ -132,6 +135,25 @@ type settings struct {
 
 func (c Config) validate() (*settings, error) {
 	s := &settings{Config: c}
+	// 0 means the default; below it is a mistake, not a wish for the default.
+	for _, n := range []struct {
+		name     string
+		negative bool
+		value    any
+	}{
+		{"max-clients", c.MaxClients < 0, c.MaxClients},
+		{"max-message-size", c.MaxMessageSize < 0, c.MaxMessageSize},
+		{"login-timeout", c.LoginTimeout < 0, c.LoginTimeout},
+		{"connect-timeout", c.ConnectTimeout < 0, c.ConnectTimeout},
+		{"shutdown-grace", c.ShutdownGrace < 0, c.ShutdownGrace},
+		{"flap-changes", c.FlapChanges < 0, c.FlapChanges},
+		{"flap-window", c.FlapWindow < 0, c.FlapWindow},
+		{"consul-start-timeout", c.ConsulStartTimeout < 0, c.ConsulStartTimeout},
+	} {
+		if n.negative {
+			return nil, fmt.Errorf("%s %v: must not be negative", n.name, n.value)
+		}
+	}
 	if s.Listen == "" {
 		s.Listen = "127.0.0.1:6432"
 	}

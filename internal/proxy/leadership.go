@@ -19,7 +19,7 @@ const maxRefusals = 50
 type Refusal struct {
 	At       time.Time `json:"at"`
 	Resource string    `json:"resource,omitempty"`
-	Token    int64     `json:"token,omitempty"`
+	Token    int64     `json:"token,omitempty,string"` // a string: JSON numbers lose precision above 2^53 in a script
 	SQLState string    `json:"sqlstate"`
 	Message  string    `json:"message"`
 }
@@ -99,7 +99,9 @@ func (l *leadership) refusal(r Refusal) {
 		l.refusals = slices.Delete(l.refusals, 0, 1)
 	}
 	l.refusals = append(l.refusals, r)
-	if r.Resource != "" {
+	// Only resources the proxy serves get a series: a client's name for an unknown resource
+	// (ZF005) must not create metrics without end.
+	if slices.Contains(l.srv.conf().names, r.Resource) {
 		l.refused[[2]string{r.Resource, r.SQLState}]++
 	}
 }
@@ -117,12 +119,17 @@ func (l *leadership) recentRefusals() []Refusal {
 	return slices.Clone(l.refusals)
 }
 
-// leaders returns the registry's leaders of every configured resource (and of any other the
-// registry knows, e.g. one a reload removed while sessions remain), holders filled in from
-// Consul where the registry has none.
+// leaders returns the leaders of the configured resources, and of a resource the proxy no
+// longer serves while sessions of it remain open (a reload removed it; the database still
+// fences them); not of the others the registry knows (e.g. a resource that exists only in
+// the database, which fence reset notified). Holders are filled in from Consul where the
+// registry has none.
 func (l *leadership) leaders() []fence.Leader {
-	out := l.srv.reg.Leaders()
-	for _, name := range l.srv.conf().names {
+	names := l.srv.conf().names
+	out := slices.DeleteFunc(l.srv.reg.Leaders(), func(x fence.Leader) bool {
+		return !slices.Contains(names, x.Resource) && len(x.Sessions) == 0
+	})
+	for _, name := range names {
 		if !slices.ContainsFunc(out, func(x fence.Leader) bool { return x.Resource == name }) {
 			out = append(out, fence.Leader{Resource: name, Sessions: map[int64]int{}})
 		}

@@ -56,7 +56,8 @@ func (s *Server) Reload(cfg Config) (applied, skipped []string, err error) {
 	restart("connect-timeout", n.ConnectTimeout != old.ConnectTimeout)
 	restart("control-database", n.ControlDatabase != old.ControlDatabase)
 	restart("key-file", n.KeyFile != old.KeyFile || !slices.Equal(n.Key, old.Key))
-	restart("metrics-listen", n.MetricsListen != old.MetricsListen || n.DebugPprof != old.DebugPprof)
+	restart("metrics-listen", n.MetricsListen != old.MetricsListen || n.DebugPprof != old.DebugPprof ||
+		!slices.Equal(n.AdminAllowedHosts, old.AdminAllowedHosts))
 	restart("consul", n.ConsulAddr != old.ConsulAddr || n.ConsulToken != old.ConsulToken || n.ConsulCAFile != old.ConsulCAFile ||
 		n.ConsulScheme != old.ConsulScheme || n.ConsulDownMode != old.ConsulDownMode)
 	restart("zookeeper", !slices.Equal(n.ZKServers, old.ZKServers) || !slices.Equal(n.ZKResources, old.ZKResources))

@@ -1,8 +1,11 @@
 package proxy_test
 
 import (
+	"encoding/json"
 	"fmt"
 	"net"
+	"net/http"
+	"net/http/httptest"
 	"strconv"
 	"strings"
 	"testing"
@@ -113,6 +116,38 @@ func TestOperationsReview(t *testing.T) {
 			t.Fatalf("/status lists %v after the reload, want [billing other]", names)
 		}
 	})
+
+	// /status (and the metrics, from the same list) shows the resources the proxy serves, not
+	// one that exists only in the database (fence reset notified it); a ZF005 refusal names
+	// its resource; tokens are strings in the JSON (a script's numbers lose them above 2^53).
+	t.Run("status shows the configured resources, tokens as strings", func(t *testing.T) {
+		p := fencedProxy(t, pg, func(c *proxy.Config) { c.ControlDatabase = pg.AdminURL() })
+		mustExec(t, admin, "SELECT fence.reset('ghost', 5)")
+		waitFor(t, "the reset of ghost heard", func() (bool, string) {
+			h := p.Registry.Highest("postgres", "ghost")
+			return h == 5, fmt.Sprint(h)
+		})
+		wantCode(t, connectErr(p.FenceURL("app", "postgres", "ledger", 1)), fence.CodeUnknown)
+		p.Registry.Observe("postgres", "billing", 9007199254740993)
+		st := p.Server.Status(ctxT(t))
+		var names []string
+		for _, r := range st.Resources {
+			names = append(names, r.Resource)
+		}
+		if fmt.Sprint(names) != "[billing other]" {
+			t.Errorf("/status lists %v, want [billing other]", names)
+		}
+		if n := len(st.Refusals); n == 0 || st.Refusals[n-1].Resource != "ledger" || st.Refusals[n-1].SQLState != fence.CodeUnknown {
+			t.Errorf("/status refusals %+v: want the last ZF005 of resource ledger", st.Refusals)
+		}
+		b, err := json.Marshal(st)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !strings.Contains(string(b), `"token":"9007199254740993"`) {
+			t.Errorf("/status JSON does not carry the token as a string:\n%s", b)
+		}
+	})
 }
 
 // waitFor polls cond every 50 ms for up to a minute (the machine may be loaded), and fails
@@ -129,5 +164,25 @@ func waitFor(t *testing.T, what string, cond func() (bool, string)) {
 			t.Fatalf("%s: not within a minute; last: %s", what, last)
 		}
 		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// TestAdminHosts: an admin listener on loopback answers only requests whose Host is a
+// loopback address, localhost or an allowed name (DNS rebinding gets 421).
+func TestAdminHosts(t *testing.T) {
+	t.Parallel()
+	h := proxy.AdminHosts(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {}), []string{"proxy.internal"})
+	for host, want := range map[string]int{
+		"127.0.0.1:9187": 200, "127.0.0.2": 200, "localhost:9187": 200, "LOCALHOST": 200, "[::1]:9187": 200,
+		"proxy.internal:9187": 200, "evil.example": 421, "evil.example:9187": 421, "127.0.0.1.evil.example": 421,
+		"localhost.evil.example:9187": 421, "10.0.0.1:9187": 421, "": 421,
+	} {
+		req := httptest.NewRequest(http.MethodGet, "/status", nil)
+		req.Host = host
+		rec := httptest.NewRecorder()
+		h.ServeHTTP(rec, req)
+		if rec.Code != want {
+			t.Errorf("Host %q: %d, want %d", host, rec.Code, want)
+		}
 	}
 }

@@ -136,7 +136,11 @@ func (s *Server) handle(ctx context.Context, conn net.Conn) {
 			s.metrics.sessionOutcome("refused")
 			if f.resp.Code[:2] == "ZF" {
 				s.metrics.rejection(f.resp.Code)
-				s.lead.refusal(Refusal{At: time.Now(), Resource: sess.cred.Resource, Token: sess.cred.Token, SQLState: f.resp.Code, Message: f.resp.Message})
+				r := Refusal{At: time.Now(), Resource: sess.cred.Resource, Token: sess.cred.Token, SQLState: f.resp.Code, Message: f.resp.Message}
+				if fe := (*fence.Error)(nil); r.Resource == "" && errors.As(f, &fe) {
+					r.Resource, r.Token = fe.Resource, fe.Token // refused before its credentials were read (ZF005)
+				}
+				s.lead.refusal(r)
 			}
 			sess.log.Info("session refused", zap.String("sqlstate", f.resp.Code), zap.String("reason", f.resp.Message))
 			// sess.client, not conn: after an SSLRequest the error goes over TLS.
