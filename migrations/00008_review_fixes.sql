@@ -36,6 +36,11 @@
 --       given a new name (fenceproxy lock draws one per campaign).
 --  (L7)  A holder name is printable: no control characters (ZF004), so that what the history
 --       shows an operator is what was written.
+--  (L8)  No lease on a resource whose tokens a lock service issues: fence.lease_acquire refuses
+--       (ZF004) a resource with a row in fence.consul_tokens (a proxy admitted a token of it on
+--       Consul's, etcd's or ZooKeeper's word). A review's lock role took such a lease, and the
+--       lease row then refused every holder of the real lock (ZF006) until a superuser deleted
+--       it. fence.reset forgets the record: the operator's way to move a resource to the lease.
 
 -- +goose Up
 
@@ -173,6 +178,13 @@ DECLARE
     stored     bigint;
 BEGIN
     PERFORM fence.check_lease_args(p_resource, p_holder, coalesce(p_ttl, interval '0'));
+    -- (L8) No lease on a resource whose tokens a lock service issues.
+    IF EXISTS (SELECT 1 FROM fence.consul_tokens AS c WHERE c.resource = p_resource) THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'ZF004',
+            MESSAGE = format('fencing lease refused: resource "%s" is led through a lock service (Consul, etcd or ZooKeeper: fence.consul_tokens records its holders)', p_resource),
+            HINT = 'Take the lock from that service. To lead the resource through the PostgreSQL lease instead, stop its lock holders and run fenceproxy fence reset first.';
+    END IF;
     INSERT INTO fence.leases AS l (resource) VALUES (p_resource)
     ON CONFLICT ON CONSTRAINT leases_pkey DO NOTHING;
 

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strconv"
 	"strings"
@@ -10,6 +11,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"go.uber.org/zap"
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
@@ -153,6 +155,7 @@ type FenceResetCmd struct {
 	Database string `help:"Database URL of a role allowed to execute fence.reset (directly to PostgreSQL)." required:""`
 	Resource string `help:"Resource name." required:""`
 	Token    int64  `help:"The token to store, 1 or more (normally the lock's current LockIndex in Consul)." required:""`
+	Force    bool   `help:"Store a token below the resource's PostgreSQL lease generation (holders of the generations in between may then bind again)."`
 }
 
 // Run resets the token.
@@ -165,6 +168,18 @@ func (f *FenceResetCmd) Run(ctx context.Context, log *zap.Logger) error {
 		return err
 	}
 	defer conn.Close(ctx)
+	// A resource led by the PostgreSQL lease has its sequence in the lease row: a token
+	// stored below its generation would let the holders of the generations in between bind
+	// again next to the current one (a review did this and both committed).
+	var generation int64
+	err = conn.QueryRow(ctx, "SELECT coalesce((SELECT generation FROM fence.leases WHERE resource = $1), 0)", f.Resource).Scan(&generation)
+	if pe := (*pgconn.PgError)(nil); err != nil && !(errors.As(err, &pe) && pe.Code == "42P01") { // no fence.leases before schema version 5
+		return fmt.Errorf("read the lease of %q: %w", f.Resource, err)
+	}
+	if f.Token < generation && !f.Force {
+		return fmt.Errorf("fence reset --token %d: resource %q is led by the PostgreSQL lease, at generation %d; a lower token would let the holders of generations %d to %d bind again (--force to do it anyway)",
+			f.Token, f.Resource, generation, f.Token, generation-1)
+	}
 	if _, err := conn.Exec(ctx, "SELECT fence.reset($1, $2)", f.Resource, f.Token); err != nil {
 		return fmt.Errorf("fence.reset: %w", err)
 	}

@@ -489,4 +489,19 @@ func TestFenceCommands(t *testing.T) {
 	if !strings.Contains(out, `"w\x1b[2J\a\r\nforged"`) {
 		t.Fatalf("fence history does not show the holder escaped: %q", out)
 	}
+	// A resource led by the PostgreSQL lease is not reset below its generation without
+	// --force: a review's reset let a released holder's older generation bind again.
+	for _, q := range []string{
+		"SELECT * FROM fence.lease_release('leased', 'worker-1', 1)",
+		"SELECT * FROM fence.lease_acquire('leased', 'worker-2', '1 hour')", // generation 2
+	} {
+		if _, err := admin.Exec(t.Context(), q); err != nil {
+			t.Fatal(err)
+		}
+	}
+	low := exec.Command(bin, "fence", "reset", "--database", pg.AdminURL(), "--resource", "leased", "--token", "1")
+	if out, err := low.CombinedOutput(); err == nil || !strings.Contains(string(out), "led by the PostgreSQL lease, at generation 2") {
+		t.Fatalf("fence reset below the lease generation: %v\n%s", err, out)
+	}
+	run("reset", "--database", pg.AdminURL(), "--resource", "leased", "--token", "1", "--force")
 }

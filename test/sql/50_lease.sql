@@ -6,7 +6,7 @@
 \ir _psql.psql
 
 BEGIN;
-SELECT plan(66);
+SELECT plan(67);
 \ir _helpers.psql
 
 CREATE ROLE tap_nobody_lease NOLOGIN;
@@ -119,6 +119,10 @@ SELECT throws_ok(format('SELECT pg_temp.acquire(%L, %L, %L, %L)', 'a', 'tap-leas
     'malformed lease holder: ''h?[2Jx'' (a holder is 1 to 200 characters, none of them control characters)',
     'a holder with control characters is ZF004 (L7, migration 8), and the message does not echo them');
 SELECT throws_ok($$SELECT pg_temp.acquire('a', 'Tap', 'h1', '10 s')$$, 'ZF004', NULL, 'a malformed resource is ZF004');
+SELECT dblink_exec('adm', $$INSERT INTO fence.consul_tokens (resource, token, holder) VALUES ('tap-lease-consul', 3, 'consul session x')$$) \g /dev/null
+SELECT throws_ok($$SELECT pg_temp.acquire('a', 'tap-lease-consul', 'h1', '10 s')$$, 'ZF004', NULL,
+    'no lease on a resource a lock service leads (L8)');
+SELECT dblink_exec('adm', $$DELETE FROM fence.consul_tokens WHERE resource = 'tap-lease-consul'$$) \g /dev/null
 
 -- Nobody forges a generation (L5): the application role may not campaign, and no role but the
 -- owner may write the table, not even the lock role.
