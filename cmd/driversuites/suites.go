@@ -230,8 +230,11 @@ func (p *pytestSuite) check() error {
 
 func (p *pytestSuite) run(ctx context.Context, t target, only []string, dir, tag string) (*results, error) {
 	plugins := filepath.Join(dir, "plugins")
-	if err := os.MkdirAll(plugins, 0o755); err != nil {
-		return nil, err
+	// pytest makes --basetemp itself, not its parent.
+	for _, d := range []string{plugins, filepath.Join(dir, "tmp")} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return nil, err
+		}
 	}
 	if err := os.WriteFile(filepath.Join(plugins, "fence_suite_plugin.py"), pytestPlugin, 0o644); err != nil {
 		return nil, err
