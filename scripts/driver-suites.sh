@@ -72,11 +72,12 @@ command -v go >/dev/null || die "go is not on PATH (run make deps)"
 
 # --- getting a suite's source tree -------------------------------------------------------------
 
-# from_apt PACKAGE VERSION DEST: `apt-get source PACKAGE=VERSION` unpacked into DEST, with a
-# deb-src list of its own for every deb source this machine has (its URIs, suites and keys:
-# nothing of the mirror is written here) and its own package lists.
+# from_apt PACKAGE UPSTREAM DEST: `apt-get source` of Debian's PACKAGE unpacked into DEST, when
+# its upstream version is UPSTREAM, with a deb-src list of its own for every deb source this
+# machine has (its URIs, suites and keys: nothing of the mirror is written here) and its own
+# package lists.
 from_apt() {
-	local package=$1 version=$2 dest=$3 aptdir=$cache/apt f n=0
+	local package=$1 upstream=$2 dest=$3 aptdir=$cache/apt f n=0 version
 	rm -rf "$aptdir"
 	mkdir -p "$aptdir/sources.list.d" "$aptdir/lists/partial" "$aptdir/download"
 	for f in /etc/apt/sources.list.d/*.sources; do
@@ -92,11 +93,16 @@ from_apt() {
 	((n > 0)) || return 1
 	local apt_opts=(-o "Dir::Etc::SourceList=/dev/null" -o "Dir::Etc::SourceParts=$aptdir/sources.list.d"
 		-o "Dir::State::Lists=$aptdir/lists" -o "APT::Sandbox::User=root")
-	say "apt-get source $package=$version (deb-src lists of its own in $aptdir)"
+	say "apt-get source $package (deb-src lists of its own in $aptdir)"
 	apt-get "${apt_opts[@]}" update -qq >"$aptdir/update.log" 2>&1 || {
 		say "apt-get update of the deb-src lists failed: $(tail -n 3 "$aptdir/update.log")"
 		return 1
 	}
+	version=$(apt-cache "${apt_opts[@]}" showsrc "$package" 2>/dev/null | sed -n 's/^Version: //p' | sort -V | tail -n 1 || true)
+	if [[ $(deb_upstream "$version") != "$upstream" ]]; then
+		say "Debian's source package $package is ${version:-unknown}, not $upstream"
+		return 1
+	fi
 	(cd "$aptdir/download" && apt-get "${apt_opts[@]}" source --download-only "$package=$version") >"$aptdir/source.log" 2>&1 || {
 		say "apt-get source failed: $(grep -E '^E:' "$aptdir/source.log" | head -n 3 | tr '\n' ' ')"
 		return 1
@@ -126,20 +132,17 @@ from_src() {
 	fi
 }
 
-# get_tree NAME ENVVAR TAG DEBPKG DEBVERSION WANTED_UPSTREAM: a fresh source tree of the suite in
-# the folder it prints (under the cache's tmp/), from ENVVAR's path or apt-get source.
+# get_tree NAME ENVVAR TAG DEBPKG UPSTREAM: a fresh source tree of the suite in the folder it
+# prints (under the cache's tmp/), from ENVVAR's path or apt-get source.
 get_tree() {
-	local name=$1 var=$2 tag=$3 debpkg=$4 debversion=$5 upstream=$6 tmp
+	local name=$1 var=$2 tag=$3 debpkg=$4 upstream=$5 tmp
 	tmp=$cache/tmp/$name
 	rm -rf "$tmp"
 	mkdir -p "$tmp"
 	if [[ -n ${!var:-} ]]; then
 		from_src "${!var}" "$tag" "$tmp/tree" >&2
-	elif [[ -n $debversion ]] && [[ $(deb_upstream "$debversion") == "$upstream" ]] &&
-		from_apt "$debpkg" "$debversion" "$tmp/tree" >&2; then
-		:
 	else
-		return 1
+		from_apt "$debpkg" "$upstream" "$tmp/tree" >&2 || return 1
 	fi
 	printf '%s\n' "$tmp/tree"
 }
@@ -151,10 +154,6 @@ deb_upstream() {
 	printf '%s\n' "${v%%+*}"
 }
 
-# deb_source_version PACKAGE: the version of Debian's source package PACKAGE, if apt knows it.
-deb_source_version() {
-	apt-cache showsrc "$1" 2>/dev/null | sed -n 's/^Version: //p' | head -n 1 || true
-}
 
 # --- psycopg 3 ---------------------------------------------------------------------------------
 
@@ -168,8 +167,8 @@ if want psycopg; then
 	[[ $py_version == "$upstream" ]] || die "python3-psycopg $src_version imports as psycopg $py_version, not $upstream"
 	psycopg_dir=$cache/psycopg-$upstream
 	if [[ ! -f $psycopg_dir/tests/conftest.py ]]; then
-		tree=$(get_tree psycopg PSYCOPG_SUITE_SRC "$upstream" "$src_package" "$src_version" "$upstream") ||
-			die "could not get psycopg $upstream's test suite: not cached in $psycopg_dir, and apt-get source $src_package=$src_version failed. Give it with PSYCOPG_SUITE_SRC=PATH: a psycopg source tree, a tarball of one, or a git clone of psycopg's repository (it uses the tag $upstream)."
+		tree=$(get_tree psycopg PSYCOPG_SUITE_SRC "$upstream" "$src_package" "$upstream") ||
+			die "could not get psycopg $upstream's test suite: not cached in $psycopg_dir, and apt-get source $src_package failed. Give it with PSYCOPG_SUITE_SRC=PATH: a psycopg source tree, a tarball of one, or a git clone of psycopg's repository (it uses the tag $upstream)."
 		conftest=$(find "$tree" -path '*/tests/conftest.py' -print -quit)
 		[[ -n $conftest ]] || die "no tests/conftest.py in the psycopg source tree"
 		root=$(dirname "$(dirname "$conftest")")
@@ -193,9 +192,8 @@ if want node-postgres; then
 	command -v node >/dev/null && command -v npm >/dev/null || die "node and npm are not on PATH (run make deps)"
 	node_dir=$cache/node-postgres-$node_version
 	if [[ ! -f $node_dir/test/integration/test-helper.js ]]; then
-		debversion=$(deb_source_version node-postgres)
-		tree=$(get_tree node-postgres NODE_POSTGRES_SRC "pg@$node_version" node-postgres "$debversion" "$node_version") ||
-			die "could not get node-postgres $node_version's tests: not cached in $node_dir, and Debian's source package is ${debversion:-unknown} or could not be fetched. Give it with NODE_POSTGRES_SRC=PATH: a node-postgres source tree (the monorepo or its packages/pg), a tarball of one, or a git clone of node-postgres's repository (it uses the tag pg@$node_version)."
+		tree=$(get_tree node-postgres NODE_POSTGRES_SRC "pg@$node_version" node-postgres "$node_version") ||
+			die "could not get node-postgres $node_version's tests: not cached in $node_dir, and apt-get source node-postgres failed (see above). Give it with NODE_POSTGRES_SRC=PATH: a node-postgres source tree (the monorepo or its packages/pg), a tarball of one, or a git clone of node-postgres's repository (it uses the tag pg@$node_version)."
 		helper=$(find "$tree" -path '*/test/integration/test-helper.js' -not -path '*/node_modules/*' -print -quit)
 		[[ -n $helper ]] || die "no test/integration/test-helper.js in the node-postgres source tree"
 		root=$(dirname "$(dirname "$(dirname "$helper")")")
