@@ -345,8 +345,8 @@ func run(ctx context.Context, c config) (failed int, err error) {
 		if _, ok := d.runs["fenced"]; ok {
 			fmt.Printf("\n%s, fenced run: tests that connected through the proxy without a token (they set their own options; unfenced under --unfenced allow): %d\n", name, len(d.v.noToken))
 			printList(d.v.noToken)
-			fmt.Printf("%s, fenced run: tests that connected to an address of their own (not through the proxy): %d\n", name, len(d.v.elsewhere))
-			printList(d.v.elsewhere)
+			fmt.Printf("%s, fenced run: tests that connected to an address of their own (not through the proxy; per file): %d\n", name, len(d.v.elsewhere))
+			printList(perFile(d.v.elsewhere))
 		}
 		if len(d.v.flaky) > 0 {
 			fmt.Printf("\n%s: flaky (failed through the proxy in the full run; alone, passed through it at least once or failed directly too): %d\n", name, len(d.v.flaky))
@@ -374,6 +374,25 @@ func printList(items []string) {
 	for _, it := range items {
 		fmt.Println("  " + it)
 	}
+}
+
+// perFile sums up a list of tests ("file::name ...") as "file: N tests".
+func perFile(tests []string) []string {
+	var files []string
+	n := map[string]int{}
+	for _, t := range tests {
+		f, _, _ := strings.Cut(t, "::")
+		f, _, _ = strings.Cut(f, " ")
+		if n[f] == 0 {
+			files = append(files, f)
+		}
+		n[f]++
+	}
+	out := make([]string, len(files))
+	for i, f := range files {
+		out[i] = fmt.Sprintf("%s: %d", f, n[f])
+	}
+	return out
 }
 
 func tally(r *results) map[string]int {
