@@ -1,5 +1,5 @@
 # fenceproxy: `make test` is what CI runs (.ci/run).
-.PHONY: all deps build test fmt fmt-check vet sqltest fuzz gotest gen-long chaos demo bench psycopg-suite clean
+.PHONY: all deps build test fmt fmt-check vet sqltest fuzz gotest gen-long chaos demo bench driver-suites psycopg-suite clean
 # Prerequisites are steps in order (deps before tests), also under make -j.
 .NOTPARALLEL:
 
@@ -81,10 +81,15 @@ demo: deps build
 bench: deps build
 	bash bench/bench.sh
 
-# psycopg 3's own test suite (Debian's python3-psycopg and its version's tests) directly,
-# through the proxy unfenced and through it fenced; fails if a test passes only directly.
+# The drivers' own test suites (node-postgres's integration tests, psycopg 3's pytest suite)
+# straight to PostgreSQL, through the proxy unfenced and through it fenced; fails if a test
+# passes only directly (scripts/driver-suites.sh, cmd/driversuites). psycopg-suite: psycopg's
+# alone.
+driver-suites:
+	bash scripts/driver-suites.sh
+
 psycopg-suite:
-	bash scripts/psycopg-suite.sh
+	SUITES=psycopg bash scripts/driver-suites.sh
 
 clean:
 	rm -rf bin coverage.out coverage.html *.coverprofile
