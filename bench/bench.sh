@@ -58,23 +58,31 @@
 # Settings (environment variables):
 #   BENCH_SECONDS=10      duration of each measured pgbench run (-T)
 #   BENCH_RUNS=3          rounds (BENCH_RUNS=5 or more for figures to quote: medians of >= 5)
-#   BENCH_CLIENTS=8       pgbench clients (-c) of the throughput cells
-#   BENCH_THREADS=2       pgbench threads (-j) of the throughput cells
+#   BENCH_CLIENTS="1 8 64 256"   pgbench clients (-c) of the throughput cells: one cell per number
+#                         (the curve shows how the cost grows with load); the cells of 1 client also
+#                         log every transaction (pgbench -l) for the latency's mean and 99th percentile
+#   BENCH_THREADS=2       pgbench threads (-j) of the throughput cells (fewer for fewer clients)
 #   BENCH_SCALE=10        pgbench scale factor (-i -s)
 #   BENCH_PROTOCOLS="simple prepared"   query protocols (-M) of the throughput cells, from
 #                         simple, extended and prepared (BENCH_PROTOCOL, if set, is a single one)
 #   BENCH_WORKLOADS="select-only read-write connect"   cells, from select-only, read-write (-N),
 #                         tpcb-like (pgbench's default script) and connect (-C -S, simple protocol)
 #   BENCH_CONNECT_CLIENTS=1  pgbench clients (-c, and -j) of the connect cell
-#   BENCH_CONNECT_TARGETS="direct direct-bind fenceproxy fenced"   targets of the connect cell
+#   BENCH_CONNECT_TARGETS="direct direct-bind fenceproxy pgbouncer fenced"   targets of the connect cell
 #   BENCH_RAISE_STALE="0 1 10 100"   numbers of stale sessions the raise ends ("": no raise
 #                         measurement); 0 is a raise that ends nobody
 #   BENCH_RAISE_SAMPLES=1 raise samples per N in every round (BENCH_RUNS x this in all)
+#   BENCH_IDLE_SESSIONS=1000  idle sessions bench/idle opens through each target of
+#                         BENCH_IDLE_TARGETS after the rounds, to measure the memory (resident set)
+#                         each one costs the middleman (0: no idle measurement)
+#   BENCH_IDLE_TARGETS="fenceproxy fenced pgbouncer"   targets of the idle measurement
+#   BENCH_PERF=1          0: count system calls from /proc even where perf works (see io_counts)
 #   BENCH_WARMUP=2        seconds of unmeasured warm-up per cell and target (0: none)
 #   BENCH_FSYNC=off       PostgreSQL fsync (off also sets synchronous_commit and
 #                         full_page_writes off: the disk is not what is measured)
 #   BENCH_TARGETS="direct fenceproxy pgbouncer fenced"   targets, in round order
 #   BENCH_PROXY_ARGS=     extra flags for `fenceproxy serve`
+#   BENCH_PROXY_ENV=      environment of `fenceproxy serve`, NAME=VALUE ... (GOMAXPROCS=1, GOGC=...)
 #   BENCH_KEEP=0          1: keep the temporary folder (logs) and print its path
 #   BENCH_BIN             a fenceproxy binary to benchmark as it is (default: bin/fenceproxy,
 #                         built when missing or older than the sources)
@@ -86,7 +94,13 @@ cd "$(dirname "$0")/.."
 
 seconds=${BENCH_SECONDS:-10}
 runs=${BENCH_RUNS:-3}
-clients=${BENCH_CLIENTS:-8}
+read -r -a client_counts <<<"${BENCH_CLIENTS:-1 8 64 256}"
+((${#client_counts[@]} > 0)) || die "BENCH_CLIENTS is empty"
+clients=0 # the largest of them
+for c in "${client_counts[@]}"; do
+	[[ $c =~ ^[1-9][0-9]*$ ]] || die "BENCH_CLIENTS must list positive whole numbers, not '$c'"
+	((c > clients)) && clients=$c
+done
 threads=${BENCH_THREADS:-2}
 scale=${BENCH_SCALE:-10}
 read -r -a protocols <<<"${BENCH_PROTOCOL:-${BENCH_PROTOCOLS-simple prepared}}"
@@ -94,13 +108,17 @@ warmup=${BENCH_WARMUP:-2}
 fsync=${BENCH_FSYNC:-off}
 read -r -a targets <<<"${BENCH_TARGETS:-direct fenceproxy pgbouncer fenced}"
 read -r -a proxy_extra <<<"${BENCH_PROXY_ARGS:-}"
+read -r -a proxy_env <<<"${BENCH_PROXY_ENV:-}"
 bin=${BENCH_BIN:-bin/fenceproxy}
 pg_bin=${FENCEPROXY_PG_BINDIR:-/usr/lib/postgresql/15/bin}
 read -r -a workloads <<<"${BENCH_WORKLOADS-select-only read-write connect}"
 connect_clients=${BENCH_CONNECT_CLIENTS:-1}
-read -r -a connect_targets <<<"${BENCH_CONNECT_TARGETS-direct direct-bind fenceproxy fenced}"
+read -r -a connect_targets <<<"${BENCH_CONNECT_TARGETS-direct direct-bind fenceproxy pgbouncer fenced}"
 read -r -a raise_stale <<<"${BENCH_RAISE_STALE-0 1 10 100}"
 raise_samples=${BENCH_RAISE_SAMPLES:-1}
+idle_sessions=${BENCH_IDLE_SESSIONS:-1000}
+read -r -a idle_targets <<<"${BENCH_IDLE_TARGETS-fenceproxy fenced pgbouncer}"
+((idle_sessions > 0)) || idle_targets=()
 # Other work on the machine is the main source of noise: note how busy it was before we started.
 load_start=$(cut -d' ' -f1-3 /proc/loadavg)
 resource=bench
@@ -113,12 +131,14 @@ prog=bench
 # shellcheck source=scripts/lib.sh
 . scripts/lib.sh
 
-for v in seconds runs clients threads scale warmup connect_clients raise_samples; do
+for v in seconds runs clients threads scale warmup connect_clients raise_samples idle_sessions; do
 	[[ ${!v} =~ ^[0-9]+$ ]] || die "BENCH_${v^^} must be a whole number, not '${!v}'"
 done
 ((seconds > 0 && runs > 0 && clients > 0 && threads > 0 && scale > 0 && connect_clients > 0 && raise_samples > 0)) ||
 	die "BENCH_SECONDS, BENCH_RUNS, BENCH_CLIENTS, BENCH_THREADS, BENCH_SCALE, BENCH_CONNECT_CLIENTS and BENCH_RAISE_SAMPLES must be positive"
-((clients % threads == 0)) || die "BENCH_CLIENTS ($clients) must be a multiple of BENCH_THREADS ($threads)"
+for c in "${client_counts[@]}"; do
+	((c < threads || c % threads == 0)) || die "BENCH_CLIENTS: $c must be a multiple of BENCH_THREADS ($threads)"
+done
 max_stale=0
 for n in "${raise_stale[@]}"; do
 	[[ $n =~ ^[0-9]+$ ]] || die "BENCH_RAISE_STALE must list whole numbers, not '$n'"
@@ -127,6 +147,8 @@ done
 # The raise's stale sessions, the new one, the script's own, the proxy's control connection
 # and autovacuum must fit next to the clients: max_connections is 100 unless more are needed.
 max_connections=$((max_stale + 20 > 100 ? max_stale + 20 : 100))
+((${#idle_targets[@]} > 0 && idle_sessions + 20 > max_connections)) && max_connections=$((idle_sessions + 20))
+((clients + 20 > max_connections)) && max_connections=$((clients + 20))
 ((clients <= max_connections - 20 && connect_clients <= max_connections - 20)) ||
 	die "BENCH_CLIENTS ($clients) or BENCH_CONNECT_CLIENTS above $((max_connections - 20)) does not fit max_connections=$max_connections"
 [[ $fsync == on || $fsync == off ]] || die "BENCH_FSYNC must be on or off"
@@ -139,24 +161,28 @@ done
 for t in "${connect_targets[@]}"; do
 	case $t in direct | direct-bind | fenceproxy | pgbouncer | fenced) ;; *) die "unknown target '$t' in BENCH_CONNECT_TARGETS" ;; esac
 done
+for t in "${idle_targets[@]}"; do
+	case $t in fenceproxy | pgbouncer | fenced) ;; *) die "unknown target '$t' in BENCH_IDLE_TARGETS (fenceproxy, fenced, pgbouncer)" ;; esac
+done
 # The cells, in round order: each throughput workload under each protocol, then connect.
 cells=()
 for w in "${workloads[@]}"; do
 	case $w in
 	select-only | read-write | tpcb-like)
 		((${#protocols[@]} > 0)) || die "BENCH_PROTOCOLS is empty"
-		for p in "${protocols[@]}"; do cells+=("$w/$p"); done
+		for p in "${protocols[@]}"; do for c in "${client_counts[@]}"; do cells+=("$w/$p/c$c"); done; done
 		;;
 	connect) if ((${#connect_targets[@]} > 0)); then cells+=(connect/simple); fi ;;
 	*) die "unknown workload '$w' in BENCH_WORKLOADS" ;;
 	esac
 done
-((${#cells[@]} > 0 || ${#raise_stale[@]} > 0)) || die "nothing to measure: BENCH_WORKLOADS and BENCH_RAISE_STALE are empty"
+[[ " ${idle_targets[*]} " == *" pgbouncer "* ]] && use_bouncer_idle=1 || use_bouncer_idle=0
+((${#cells[@]} > 0 || ${#raise_stale[@]} > 0 || ${#idle_targets[@]} > 0)) || die "nothing to measure: BENCH_WORKLOADS and BENCH_RAISE_STALE are empty"
 for p in initdb postgres pg_isready psql pgbench; do
 	[[ -x $pg_bin/$p ]] || die "$pg_bin/$p not found: run make deps (or set FENCEPROXY_PG_BINDIR)"
 done
 # pgbouncer runs when a cell has it among its targets.
-use_bouncer=0
+use_bouncer=$use_bouncer_idle
 for c in "${cells[@]}"; do
 	if [[ $c == connect/* ]]; then t=" ${connect_targets[*]} "; else t=" ${targets[*]} "; fi
 	[[ $t == *" pgbouncer "* ]] && use_bouncer=1
@@ -260,6 +286,25 @@ cpu_ticks() {
 	awk -v reaped="${2:+1}" '{ sub(/^.*\) /, ""); print $12 + $13 + (reaped ? $14 + $15 : 0) }' "/proc/$1/stat" 2>/dev/null ||
 		echo 0
 }
+# The middleman's system calls and context switches per transaction: counts, which the machine's
+# load moves little, where CPU time and throughput move a lot. With perf (BENCH_PERF=1, the default
+# when `perf stat` can count the raw_syscalls tracepoint): every system call of the process's
+# threads (perf stat -p: epoll_wait, futex, recvfrom, sendto, read, write... all of them) and its
+# context switches. Without it, from /proc: read(2)/write(2)-family calls (/proc/PID/io syscr,
+# syscw, which count neither recv nor send, nor epoll or futex) and context switches summed over
+# /proc/PID/task/*.
+perf_ok=0
+if [[ ${BENCH_PERF:-1} == 1 ]] && command -v perf >/dev/null &&
+	perf stat -x, -e raw_syscalls:sys_enter,context-switches -p $$ -- sleep 0.1 >/dev/null 2>&1; then
+	perf_ok=1
+fi
+# io_counts PID: "SYSCALLS SWITCHES" from /proc (see above), or "0 0".
+io_counts() {
+	local r w
+	r=$(awk '$1 == "syscr:" { print $2 }' "/proc/$1/io" 2>/dev/null || echo 0)
+	w=$(awk '$1 == "syscw:" { print $2 }' "/proc/$1/io" 2>/dev/null || echo 0)
+	echo "$((${r:-0} + ${w:-0})) $(cat /proc/"$1"/task/*/status 2>/dev/null | awk '/^(non)?voluntary_ctxt_switches:/ { n += $2 } END { print n + 0 }')"
+}
 # status_kb PID FIELD: a kB field of /proc/PID/status (VmHWM, VmRSS).
 status_kb() { awk -v f="$2:" '$1 == f { print $2 }' "/proc/$1/status" 2>/dev/null || echo 0; }
 
@@ -304,7 +349,7 @@ key_file=$work/fenceproxy.key
 proxy_cmd=("$bin" serve --listen "127.0.0.1:$proxy_port" --upstream "postgres://127.0.0.1:$pg_port"
 	--unfenced allow --resource "$resource,$raise_resource" --key-file "$key_file"
 	--control-database "$db_url" --log-level warn "${proxy_extra[@]}")
-start fenceproxy "$work/fenceproxy.log" "${proxy_cmd[@]}"
+start fenceproxy "$work/fenceproxy.log" env "${proxy_env[@]}" "${proxy_cmd[@]}"
 proxy_ready() { alive fenceproxy "$work/fenceproxy.log" && listening "$proxy_port"; }
 wait_for fenceproxy 30 proxy_ready
 
@@ -312,9 +357,14 @@ raise_bin=$work/raise
 if ((${#raise_stale[@]} > 0)); then
 	go build -o "$raise_bin" ./bench/raise || die "go build ./bench/raise failed"
 fi
+idle_bin=$work/idle
+if ((${#idle_targets[@]} > 0)); then
+	go build -o "$idle_bin" ./bench/idle || die "go build ./bench/idle failed"
+fi
 
 bouncer_dir=$work/pgbouncer
 pool=$((clients > 20 ? clients : 20))
+((${#idle_targets[@]} > 0 && idle_sessions > pool)) && pool=$idle_sessions
 if ((use_bouncer)); then
 	mine "$bouncer_dir"
 	cat >"$bouncer_dir/pgbouncer.ini" <<EOF
@@ -329,7 +379,7 @@ pidfile = $bouncer_dir/pgbouncer.pid
 auth_type = trust
 auth_file = $bouncer_dir/userlist.txt
 pool_mode = session
-max_client_conn = 200
+max_client_conn = $((pool + 100))
 default_pool_size = $pool
 log_connections = 0
 log_disconnections = 0
@@ -372,9 +422,12 @@ cell_targets() {
 	if [[ $1 == connect/* ]]; then cell_order=("${connect_targets[@]}"); else cell_order=("${targets[@]}"); fi
 }
 
-# pgbench_cmd TARGET CELL SECONDS: the pgbench command line (into the array `cmd`).
+# pgbench_cmd TARGET CELL SECONDS [LOG_PREFIX]: the pgbench command line (into the array `cmd`).
 pgbench_cmd() {
-	local w=${2%/*} p=${2#*/} c=$clients j=$threads flags
+	local w p c j=$threads flags
+	IFS=/ read -r w p c <<<"$2"
+	c=${c#c}
+	((c < j)) && j=$c
 	case $w in
 	select-only) flags=(-S) ;;
 	read-write) flags=(-N) ;;
@@ -384,6 +437,8 @@ pgbench_cmd() {
 	[[ $1 == direct-bind ]] && flags=(-C -f bench/bind.sql -s "$scale")
 	cmd=(env)
 	[[ $1 == fenced ]] && cmd+=("PGOPTIONS=$(target_options "$1")")
+	# One client: every transaction's latency in a log, for its mean and 99th percentile.
+	[[ $w != connect && $c == 1 && -n ${4:-} ]] && flags+=(-l --log-prefix="$4")
 	cmd+=("$pg_bin/pgbench" -n "${flags[@]}" -M "$p" -c "$c" -j "$j" -T "$3"
 		-h 127.0.0.1 -p "$(target_port "$1")" -U postgres bench)
 }
@@ -410,7 +465,7 @@ pg_cpu_ticks() {
 idle_ticks() { awk '$1 == "cpu" { print $5 + $6; exit }' /proc/stat; }
 busy_ticks() { awk '$1 == "cpu" { print $2 + $3 + $4 + $7 + $8 + $9; exit }' /proc/stat; }
 
-results=$work/results.tsv # cell target run tps latency_ms transactions failed cpu_ticks status pg_ticks idle_ticks busy_ticks conn_ms
+results=$work/results.tsv # cell target run tps latency_ms transactions failed cpu_ticks status pg_ticks idle_ticks busy_ticks conn_ms syscalls ctxsw lat_mean_us lat_p99_us
 : >"$results"
 raises=$work/raises.tsv # run stale sample raise_ms plain_ms ended_zf001 ended_other survived committed alive
 : >"$raises"
@@ -419,18 +474,35 @@ failures=0
 # run TARGET CELL RUN SECONDS: one pgbench run; RUN 0 is a warm-up (not recorded).
 run() {
 	local target=$1 cell=$2 n=$3 secs=$4 out pid before after rc=0 tps lat ntx failed conn status=ok
-	local pg_before pg_after idle_before idle_after busy_before busy_after
-	out=$work/pgbench-${cell/\//-}-$target-$n.log
-	pgbench_cmd "$target" "$cell" "$secs"
+	local pg_before pg_after idle_before idle_after busy_before busy_after io_before io_after perf_pid= perf_out
+	out=$work/pgbench-${cell//\//-}-$target-$n.log
+	local txlog=$work/txlog-${cell//\//-}-$target-$n lat_stats
+	pgbench_cmd "$target" "$cell" "$secs" "$txlog"
 	prepare
 	pid=$(target_pid "$target")
 	before=0
 	[[ -n $pid ]] && before=$(cpu_ticks "$pid")
+	io_before=(0 0)
+	[[ -n $pid ]] && read -r -a io_before <<<"$(io_counts "$pid")"
+	perf_out=$work/perf-${cell//\//-}-$target-$n.csv
+	if [[ -n $pid ]] && ((perf_ok)); then
+		perf stat -x, -o "$perf_out" -e raw_syscalls:sys_enter,context-switches -p "$pid" &
+		perf_pid=$!
+	fi
 	pg_before=$(pg_cpu_ticks) idle_before=$(idle_ticks) busy_before=$(busy_ticks)
 	# A hang of a target must not hang the benchmark.
 	timeout -k 5 $((secs + 60)) "${cmd[@]}" >"$out" 2>&1 || rc=$?
 	after=0
 	[[ -n $pid ]] && after=$(cpu_ticks "$pid")
+	io_after=(0 0)
+	[[ -n $pid ]] && read -r -a io_after <<<"$(io_counts "$pid")"
+	if [[ -n $perf_pid ]]; then
+		kill -INT "$perf_pid" 2>/dev/null || true
+		wait "$perf_pid" 2>/dev/null || true
+		io_before=(0 0)
+		io_after=("$(awk -F, '$3 == "raw_syscalls:sys_enter" { print $1 + 0 }' "$perf_out")"
+			"$(awk -F, '$3 == "context-switches" { print $1 + 0 }' "$perf_out")")
+	fi
 	idle_after=$(idle_ticks) busy_after=$(busy_ticks)
 	pg_after=$(pg_cpu_ticks)
 	tps=$(sed -n 's/^tps = \([0-9.]*\) (without initial connection time)$/\1/p; s/^tps = \([0-9.]*\) (including reconnection times)$/\1/p' "$out")
@@ -438,6 +510,13 @@ run() {
 	conn=$(sed -n 's/^average connection time = \([0-9.]*\) ms$/\1/p' "$out")
 	ntx=$(sed -n 's/^number of transactions actually processed: \([0-9]*\).*/\1/p' "$out")
 	failed=$(sed -n 's/^number of failed transactions: \([0-9]*\).*/\1/p' "$out")
+	# pgbench -l: one line per transaction, its latency in us the third field.
+	lat_stats="- -"
+	if compgen -G "$txlog.*" >/dev/null; then
+		lat_stats=$(cat "$txlog".* | awk '{ print $3 }' | sort -n | awk '{ v[NR] = $1; s += $1 }
+			END { if (NR) { i = int(NR * 0.99 + 0.999999); printf "%.1f %d", s / NR, v[i < 1 ? 1 : i] } else print "- -" }')
+		rm -f "$txlog".*
+	fi
 	if ((rc == 124 || rc == 137)); then
 		status="TIMEOUT"
 	elif ((rc != 0)) || [[ -z $tps ]] || grep -qiE 'aborted|error' "$out"; then
@@ -450,10 +529,11 @@ run() {
 		say "  command: $(printf '%q ' "${cmd[@]}")"
 	fi
 	((n == 0)) && return 0
-	printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$cell" "$target" "$n" "${tps:-0}" "${lat:-0}" \
+	printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$cell" "$target" "$n" "${tps:-0}" "${lat:-0}" \
 		"${ntx:-0}" "${failed:-0}" "$((after - before))" "$status" "$((pg_after - pg_before))" \
-		"$((idle_after - idle_before))" "$((busy_after - busy_before))" "${conn:--}" >>"$results"
-	printf 'bench: round %d  %-20s %-11s %10.0f tps  %7.3f ms%s  %s\n' "$n" "$cell" "$target" \
+		"$((idle_after - idle_before))" "$((busy_after - busy_before))" "${conn:--}" \
+		"$((${io_after[0]:-0} - io_before[0]))" "$((${io_after[1]:-0} - io_before[1]))" "${lat_stats% *}" "${lat_stats#* }" >>"$results"
+	printf 'bench: round %d  %-26s %-11s %10.0f tps  %7.3f ms%s  %s\n' "$n" "$cell" "$target" \
 		"${tps:-0}" "${lat:-0}" "${conn:+  (connection ${conn} ms)}" "$status"
 }
 
@@ -485,8 +565,9 @@ raise_run() {
 
 join_comma() { local IFS=,; echo "$*"; }
 
-repro="BENCH_SECONDS=$seconds BENCH_RUNS=$runs BENCH_CLIENTS=$clients BENCH_THREADS=$threads BENCH_SCALE=$scale BENCH_PROTOCOLS='${protocols[*]}' BENCH_WORKLOADS='${workloads[*]}' BENCH_CONNECT_CLIENTS=$connect_clients BENCH_CONNECT_TARGETS='${connect_targets[*]}' BENCH_RAISE_STALE='${raise_stale[*]}' BENCH_RAISE_SAMPLES=$raise_samples BENCH_WARMUP=$warmup BENCH_FSYNC=$fsync BENCH_TARGETS='${targets[*]}'"
+repro="BENCH_IDLE_SESSIONS=$idle_sessions BENCH_IDLE_TARGETS='${idle_targets[*]}' BENCH_SECONDS=$seconds BENCH_RUNS=$runs BENCH_CLIENTS='${client_counts[*]}' BENCH_THREADS=$threads BENCH_SCALE=$scale BENCH_PROTOCOLS='${protocols[*]}' BENCH_WORKLOADS='${workloads[*]}' BENCH_CONNECT_CLIENTS=$connect_clients BENCH_CONNECT_TARGETS='${connect_targets[*]}' BENCH_RAISE_STALE='${raise_stale[*]}' BENCH_RAISE_SAMPLES=$raise_samples BENCH_WARMUP=$warmup BENCH_FSYNC=$fsync BENCH_TARGETS='${targets[*]}'"
 [[ ${#proxy_extra[@]} -gt 0 ]] && repro+=" BENCH_PROXY_ARGS='${proxy_extra[*]}'"
+[[ ${#proxy_env[@]} -gt 0 ]] && repro+=" BENCH_PROXY_ENV='${proxy_env[*]}'"
 [[ -n ${BENCH_BIN:-} ]] && repro+=" BENCH_BIN=$BENCH_BIN"
 repro+=" bash bench/bench.sh"
 
@@ -496,7 +577,7 @@ say "pgbench, one line per cell (first target shown; the others differ in -p and
 for c in "${cells[@]}"; do
 	cell_targets "$c"
 	pgbench_cmd "${cell_order[0]}" "$c" "$seconds"
-	say "  $(printf '%-20s' "$c") $(printf '%q ' "${cmd[@]}")"
+	say "  $(printf '%-26s' "$c") $(printf '%q ' "${cmd[@]}")"
 done
 say "  (fenced: the same as fenceproxy, with PGOPTIONS='$(target_options fenced)')"
 ((${#raise_stale[@]} > 0)) && say "raise: $(printf '%q ' "${raise_cmd[@]}") -stale $(join_comma "${raise_stale[@]}") -samples $raise_samples"
@@ -532,6 +613,23 @@ for ((r = 1; r <= runs; r++)); do
 		raise_run "$r" "$(join_comma "${stale_order[@]}")"
 	fi
 done
+idle_out=$work/idle.tsv # target sessions rss_before_kib rss_after_kib per_session_kib
+: >"$idle_out"
+for t in "${idle_targets[@]}"; do
+	out=$work/idle-$t.log
+	url="postgres://postgres@127.0.0.1:$(target_port "$t")/bench?sslmode=disable"
+	[[ $t == fenced ]] && url+="&options=$(target_options fenced | sed 's/ /%20/g; s/=/%3D/g')"
+	if timeout -k 5 600 "$idle_bin" -url "$url" -pid "$(target_pid "$t")" -n "$idle_sessions" >"$out" 2>&1; then
+		line=$(grep '^idle sessions=' "$out")
+		say "$t: $line"
+		awk -v t="$t" '{ for (i = 2; i <= NF; i++) { split($i, kv, "="); v[kv[1]] = kv[2] }
+			printf "%s\t%s\t%s\t%s\t%s\n", t, v["sessions"], v["rss_before_kib"], v["rss_after_kib"], v["per_session_kib"] }' <<<"$line" >>"$idle_out"
+	else
+		failures=$((failures + 1))
+		say "idle sessions through $t: FAILED; its output ($out):"
+		sed 's/^/    | /' "$out" | head -n 20
+	fi
+done
 measured=$((SECONDS - started))
 load_after=$(cut -d' ' -f1-3 /proc/loadavg)
 bindings=$(psql_direct -d bench -At -c "SELECT count(*) FROM fence.bindings WHERE resource = '$resource'")
@@ -557,13 +655,13 @@ echo "==========================================================================
 echo "fenceproxy benchmark  $(date -u +%Y-%m-%dT%H:%M:%SZ)  commit $commit"
 echo "machine: $(nproc) CPU(s), ${cpu_model:-unknown CPU}, Linux $(uname -r)"
 echo "PostgreSQL $("$pg_bin/postgres" --version | awk '{ print $3 }'), fsync=$fsync, max_connections=$max_connections," \
-	"shared_buffers=256MB;$( ((use_bouncer)) && echo " $(pgbouncer --version | head -n1) session mode;") pgbench -c $clients -j $threads" \
+	"shared_buffers=256MB;$( ((use_bouncer)) && echo " $(pgbouncer --version | head -n1) session mode;") pgbench -c ${client_counts[*]} -j $threads" \
 	"-T $seconds (connect: -C -S -c $connect_clients), scale $scale, $runs round(s), interleaved"
 echo "targets over TCP 127.0.0.1; fenced = the proxy with PGOPTIONS='$(target_options fenced)'"
 echo "reproduce (from the repository root): $repro"
 echo
 
-awk -F'\t' -v order="${targets[*]}" -v corder="${connect_targets[*]}" -v hz="$clk_tck" -v cl="${cells[*]}" -v runs_n="$runs" '
+awk -F'\t' -v perf="$perf_ok" -v order="${targets[*]}" -v corder="${connect_targets[*]}" -v hz="$clk_tck" -v cl="${cells[*]}" -v runs_n="$runs" '
 function median(list,   a, n, i, j, t) {
 	n = split(list, a, " ")
 	for (i = 2; i <= n; i++) { t = a[i]; for (j = i - 1; j >= 1 && a[j] + 0 > t + 0; j--) a[j + 1] = a[j]; a[j + 1] = t }
@@ -595,11 +693,13 @@ function perround(c, a, b, f,   list, i, q, n) {
 	if ($9 == "ok") {
 		tps[k] = tps[k] " " $4; lat[k] = lat[k] " " $5; round[$1, $2, $3] = $4 + 0; rconn[$1, $2, $3] = $13; rlat[$1, $2, $3] = $5 + 0
 		if ($13 != "-") conn[k] = conn[k] " " $13
+		if ($16 != "-" && $16 != "") { lmean[k] = lmean[k] " " $16; lp99[k] = lp99[k] " " $17; rlm[$1, $2, $3] = $16; rlp[$1, $2, $3] = $17 }
 		if ($6 > 0) {
 			per = 1e6 / hz / $6
 			busy_us[k] = busy_us[k] " " $12 * per; pg_us[k] = pg_us[k] " " $10 * per
 			mid_us[k] = mid_us[k] " " $8 * per; idle_us[k] = idle_us[k] " " $11 * per
 			rest_us[k] = rest_us[k] " " ($12 - $10 - $8) * per
+			sc[k] = sc[k] " " $14 / $6; cs[k] = cs[k] " " $15 / $6
 		}
 		if (!(k in lo) || $4 + 0 < lo[k]) lo[k] = $4 + 0
 		if (!(k in hi) || $4 + 0 > hi[k]) hi[k] = $4 + 0
@@ -610,7 +710,7 @@ function perround(c, a, b, f,   list, i, q, n) {
 }
 END {
 	nc = split(cl, C, " ")
-	printf "%-20s %-11s %10s %11s %9s %7s   %s\n", "cell", "target", "median TPS", "latency ms", "CPU us/tx", "max/min", "individual runs (TPS)"
+	printf "%-26s %-11s %10s %11s %9s %7s   %s\n", "cell", "target", "median TPS", "latency ms", "CPU us/tx", "max/min", "individual runs (TPS)"
 	for (c = 1; c <= nc; c++) { nt = targets(C[c]); for (t = 1; t <= nt; t++) {
 		k = C[c] SUBSEP TT[t]
 		if (!(k in runs)) continue
@@ -618,7 +718,7 @@ END {
 		cpu = (TT[t] ~ /^direct/ || ntx[k] == 0) ? "-" : sprintf("%.1f", ticks[k] / hz * 1e6 / ntx[k])
 		spread = (lo[k] > 0) ? hi[k] / lo[k] : 0
 		if (spread > 1.3) noisy++
-		printf "%-20s %-11s %10.0f %11.3f %9s %7.2f  %s%s\n", C[c], TT[t], m[k], median(lat[k]), cpu, spread, runs[k],
+		printf "%-26s %-11s %10.0f %11.3f %9s %7.2f  %s%s\n", C[c], TT[t], m[k], median(lat[k]), cpu, spread, runs[k],
 			(bad[k] ? sprintf("  (%d failed run(s), marked !)", bad[k]) : "") (nfail[k] ? sprintf("  (%d failed transactions)", nfail[k]) : "")
 	} }
 	print ""
@@ -630,12 +730,23 @@ END {
 	print "CPU time per transaction, us (median of the runs): the machine\x27s busy time split into PostgreSQL"
 	print "(postmaster and all its processes), the middleman (proxy or pgbouncer) and the rest (pgbench,"
 	print "the kernel\x27s own threads, anything else running); idle: time no CPU had work"
-	printf "%-20s %-11s %9s %11s %10s %9s %9s\n", "cell", "target", "busy", "PostgreSQL", "middleman", "rest", "idle"
+	printf "%-26s %-11s %9s %11s %10s %9s %9s\n", "cell", "target", "busy", "PostgreSQL", "middleman", "rest", "idle"
 	for (c = 1; c <= nc; c++) { nt = targets(C[c]); for (t = 1; t <= nt; t++) {
 		k = C[c] SUBSEP TT[t]
 		if (!(k in busy_us)) continue
-		printf "%-20s %-11s %9.1f %11.1f %10s %9.1f %9.1f\n", C[c], TT[t], median(busy_us[k]), median(pg_us[k]),
+		printf "%-26s %-11s %9.1f %11.1f %10s %9.1f %9.1f\n", C[c], TT[t], median(busy_us[k]), median(pg_us[k]),
 			(TT[t] ~ /^direct/) ? "-" : sprintf("%.1f", median(mid_us[k])), median(rest_us[k]), median(idle_us[k])
+	} }
+
+	print ""
+	print "system calls and context switches of the middleman per transaction (median of the runs; " (perf ? "perf stat" : "/proc")
+	print (perf ? "-e raw_syscalls:sys_enter,context-switches -p PID: all its system calls" : "/proc/PID/io syscr+syscw: read/write-family calls only, no recv/send/epoll/futex") "):"
+	print "counts, not times: the machine\x27s load moves them little"
+	printf "%-26s %-11s %9s %9s\n", "cell", "target", "syscalls", "switches"
+	for (c = 1; c <= nc; c++) { nt = targets(C[c]); for (t = 1; t <= nt; t++) {
+		k = C[c] SUBSEP TT[t]
+		if (!(k in sc) || TT[t] ~ /^direct/) continue
+		printf "%-26s %-11s %9.2f %9.2f\n", C[c], TT[t], median(sc[k]), median(cs[k])
 	} }
 
 	# The ratios: one row per cell, the pairs whose two targets ran in it.
@@ -651,11 +762,11 @@ END {
 	if (!shown) { print "ratios: none (no cell ran two of the targets these ratios compare)" }
 	else {
 		print "ratio of median TPS (fenced/unfenced: both through the proxy, the cost of fencing)"
-		printf "%-20s", "cell"
+		printf "%-26s", "cell"
 		for (p = 1; p <= np; p++) if (use[p]) printf " %19s", (P[p] in label) ? label[P[p]] : P[p]
 		print ""
 		for (c = 1; c <= nc; c++) {
-			printf "%-20s", C[c]
+			printf "%-26s", C[c]
 			for (p = 1; p <= np; p++) if (use[p]) {
 				split(P[p], ab, "/"); a = C[c] SUBSEP ab[1]; b = C[c] SUBSEP ab[2]
 				if (m[a] > 0 && m[b] > 0) printf " %19.3f", m[a] / m[b]; else printf " %19s", "-"
@@ -666,17 +777,43 @@ END {
 		# so a slow drift of the machine (other tenants) cancels out of each ratio.
 		print ""
 		print "median of the per-round ratios (min-max)"
-		printf "%-20s", "cell"
+		printf "%-26s", "cell"
 		for (p = 1; p <= np; p++) if (use[p]) printf " %19s", (P[p] in label) ? label[P[p]] : P[p]
 		print ""
 		for (c = 1; c <= nc; c++) {
-			printf "%-20s", C[c]
+			printf "%-26s", C[c]
 			for (p = 1; p <= np; p++) if (use[p]) {
 				split(P[p], ab, "/")
 				if (perround(C[c], ab[1], ab[2], "tps")) printf " %7.3f (%.2f-%.2f)", PR_med, PR_lo, PR_hi
 				else printf " %19s", "-"
 			}
 			print ""
+		}
+	}
+
+	# Latency at one client: what the middleman adds to each transaction, from pgbench -l (each
+	# transaction by itself), against direct; per round, the two runs are minutes apart.
+	for (c = 1; c <= nc; c++) if (C[c] ~ /\/c1$/) {
+		if (!hdr1++) {
+			print ""
+			print "latency at 1 client, us (pgbench -l: every transaction; medians of the runs\x27 mean and 99th"
+			print "percentile); added: minus direct\x27s, as medians and as the median of the per-round differences"
+			printf "%-26s %-11s %9s %9s %12s %12s %16s\n", "cell", "target", "mean", "p99", "added mean", "added p99", "per round mean"
+		}
+		nt = targets(C[c])
+		d = C[c] SUBSEP "direct"
+		for (t = 1; t <= nt; t++) {
+			k = C[c] SUBSEP TT[t]
+			if (!(k in lmean)) continue
+			mm = median(lmean[k]); mp = median(lp99[k])
+			am = "-"; ap = "-"; pr = "-"
+			if (TT[t] != "direct" && (d in lmean)) {
+				am = sprintf("%+.1f", mm - median(lmean[d])); ap = sprintf("%+.1f", mp - median(lp99[d]))
+				list = ""; nr = 0
+				for (r = 1; r <= runs_n; r++) if ((C[c], TT[t], r) in rlm && (C[c], "direct", r) in rlm) { list = list " " (rlm[C[c], TT[t], r] - rlm[C[c], "direct", r]); nr++ }
+				if (nr) pr = sprintf("%+.1f", median(list))
+			}
+			printf "%-26s %-11s %9.1f %9.1f %12s %12s %16s\n", C[c], TT[t], mm, mp, am, ap, pr
 		}
 	}
 
@@ -746,6 +883,10 @@ printf 'fenceproxy: peak RSS (VmHWM) %.1f MiB, RSS at end %.1f MiB, %s threads, 
 if ((use_bouncer)); then
 	printf 'pgbouncer:  peak RSS (VmHWM) %.1f MiB, CPU time %.1f s\n' \
 		"$(echo "$bouncer_hwm / 1024" | bc -l)" "$(echo "$bouncer_cpu / $clk_tck" | bc -l)"
+fi
+if [[ -s $idle_out ]]; then
+	echo "memory per idle session (bench/idle: VmRSS of the middleman before and after opening $idle_sessions sessions through it):"
+	awk -F'\t' '{ printf "  %-11s %6.1f KiB per session (%d sessions: %.1f MiB -> %.1f MiB)\n", $1, $5, $2, $3 / 1024, $4 / 1024 }' "$idle_out"
 fi
 echo "fence.bindings: $bindings row(s) of resource $resource at the end (one per fenced backend started; a row leaves when its pid is bound again, at the next raise of the resource, or when one bind in 64 sweeps the rows of exited backends)"
 problems=$(grep -ciE '"level":"(warn|error|dpanic|panic|fatal)"|\b(WARN|ERROR|PANIC|FATAL)\b' "$work/fenceproxy.log" || true)
