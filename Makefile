@@ -1,5 +1,5 @@
 # fenceproxy: `make test` is what CI runs (.ci/run).
-.PHONY: all deps build test fmt fmt-check vet sqltest fuzz gotest gen-long chaos demo bench psycopg-suite clean
+.PHONY: all deps build test fmt fmt-check vet sqltest fuzz gotest gen-long chaos demo bench bench-quick psycopg-suite clean
 # Prerequisites are steps in order (deps before tests), also under make -j.
 .NOTPARALLEL:
 
@@ -77,8 +77,16 @@ chaos: deps
 demo: deps build
 	$(GO) run ./cmd/demo --store $(STORE)
 
-bench: deps build
-	bash bench/bench.sh
+# cmd/bench: PostgreSQL, PgBouncer and fenceproxy from internal/testenv, pgbench as the load,
+# one table of medians with the ratios; `go run ./cmd/bench --help` lists its settings
+# (BENCH_FLAGS passes them, e.g. BENCH_FLAGS='--rounds=9 --workloads=connect'). About 50
+# minutes on 2 cores; bench-quick is the smoke test's size (a minute or two, figures meaningless).
+BENCH_FLAGS ?=
+bench: deps
+	$(GO) run ./cmd/bench $(BENCH_FLAGS)
+
+bench-quick: deps
+	$(GO) run ./cmd/bench --quick $(BENCH_FLAGS)
 
 # psycopg 3's own test suite (Debian's python3-psycopg and its version's tests) directly,
 # through the proxy unfenced and through it fenced; fails if a test passes only directly.
