@@ -364,7 +364,7 @@ func (e *env) pgbenchArgs(cell Cell, t string, seconds, transactions int, txlog 
 	// a thread connects its clients one after the other, each a fenced bind for the fenced
 	// target, so that many clients on a loaded machine could use up a short run before the
 	// first transaction. Each client a thread connects adds 25 ms to the run.
-	seconds += (cell.Clients/j*25 + 999) / 1000
+	seconds += (cell.Clients/j*25 + 500) / 1000 // rounded: nothing below 20 clients a thread
 	duration := []string{"-T", strconv.Itoa(seconds)}
 	if transactions > 0 {
 		duration = []string{"-t", strconv.Itoa(transactions)}
