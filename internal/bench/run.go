@@ -469,10 +469,13 @@ func (e *env) pgbench(ctx context.Context, cell Cell, t string, round, seconds, 
 		rctx, cancel := context.WithTimeout(ctx, limit)
 		out, runErr := e.command(rctx, name, vars, args...)
 		cancel()
-		var syscalls float64
+		syscalls := math.NaN()
 		if perf != nil {
+			// A count perf could not make (a run shorter than its start-up) leaves the row's
+			// figure out; it does not fail the run.
 			if syscalls, err = perf.stop(); err != nil {
-				return err
+				e.say("%s %s: %v", cell, t, err)
+				syscalls = math.NaN()
 			}
 		}
 		after, err := e.read(mid)
