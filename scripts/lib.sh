@@ -1,4 +1,4 @@
-# Shell helpers shared by scripts/deps.sh, scripts/psycopg-suite.sh and bench/bench.sh:
+# Shell helpers shared by scripts/deps.sh and scripts/psycopg-suite.sh:
 # sourced, not run. The sourcing
 # script sets `prog`, the prefix of its messages, first.
 
