@@ -76,6 +76,9 @@ type env struct {
 	admin   *pgx.Conn // the bench database, straight on PostgreSQL: preparation and checks
 	perf    bool      // perf stat counts system calls
 	bindSQL string    // path of bind.sql
+	// allowance is the seconds a cell and target's -T gets for its clients' connections
+	// (see pgbench), by "cell target".
+	allowance map[string]int
 }
 
 // Result is everything a run measured.
@@ -178,7 +181,7 @@ func setup(ctx context.Context, cfg Config, out io.Writer) (*env, error) {
 	if err != nil {
 		return nil, err
 	}
-	e := &env{cfg: cfg, out: out, work: work}
+	e := &env{cfg: cfg, out: out, work: work, allowance: map[string]int{}}
 	bin := cfg.Bin
 	if bin == "" {
 		e.say("building fenceproxy")
@@ -342,6 +345,7 @@ const fenceOptions = "-c fence.resource=" + resource + " -c fence.token=1"
 // pgbenchArgs is the pgbench command line of cell against t; a non-empty txlog asks for the
 // per-transaction log.
 func (e *env) pgbenchArgs(cell Cell, t string, seconds, transactions int, txlog string) []string {
+	seconds += e.allowance[cell.String()+" "+t]
 	j := min(e.cfg.Threads, cell.Clients)
 	var flags []string
 	switch cell.Workload {
@@ -360,11 +364,6 @@ func (e *env) pgbenchArgs(cell Cell, t string, seconds, transactions int, txlog 
 	if txlog != "" {
 		flags = append(flags, "-l", "--log-prefix="+txlog)
 	}
-	// pgbench's -T runs from before its clients connect (its TPS leaves the connections out):
-	// a thread connects its clients one after the other, each a fenced bind for the fenced
-	// target, so that many clients on a loaded machine could use up a short run before the
-	// first transaction. Each client a thread connects adds 25 ms to the run.
-	seconds += (cell.Clients/j*25 + 500) / 1000 // rounded: nothing below 20 clients a thread
 	duration := []string{"-T", strconv.Itoa(seconds)}
 	if transactions > 0 {
 		duration = []string{"-t", strconv.Itoa(transactions)}
@@ -434,7 +433,29 @@ func (e *env) postmaster() (int, error) {
 }
 
 // pgbench runs cell against t once; round 0 is a warm-up (not recorded).
+//
+// pgbench's -T runs from before its clients connect (its TPS leaves the connections out): a
+// thread connects its clients one after the other, each a fenced bind for the fenced target,
+// and on a loaded machine many clients can use up a short run before the first transaction.
+// Each client a thread connects adds 25 ms to the run; a run that processed no transaction is
+// run again with 2 s more, then twice that, up to 4 times, and the cell and target keep the
+// longer run for the next rounds.
 func (e *env) pgbench(ctx context.Context, cell Cell, t string, round, seconds, transactions int) Sample {
+	key := cell.String() + " " + t
+	if _, ok := e.allowance[key]; !ok {
+		e.allowance[key] = (cell.Clients/min(e.cfg.Threads, cell.Clients)*25 + 500) / 1000 // nothing below 20 a thread
+	}
+	for attempt := 1; ; attempt++ {
+		s := e.pgbenchOnce(ctx, cell, t, round, seconds, transactions)
+		if !errors.Is(s.Err, ErrNoTransactions) || transactions > 0 || attempt == 4 || ctx.Err() != nil {
+			return s
+		}
+		e.allowance[key] = max(2, 2*e.allowance[key])
+		e.say("%s %s: no transaction within -T: again with %d s for its connections", cell, t, e.allowance[key])
+	}
+}
+
+func (e *env) pgbenchOnce(ctx context.Context, cell Cell, t string, round, seconds, transactions int) Sample {
 	s := Sample{Cell: cell, Target: t, Round: round, Syscalls: math.NaN(), Switches: math.NaN(), LatMeanUs: math.NaN(), LatP99Us: math.NaN()}
 	name := fmt.Sprintf("pgbench-%s-%s-%d", strings.ReplaceAll(cell.String(), "/", "-"), t, round)
 	txlog := ""

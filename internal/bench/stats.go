@@ -2,6 +2,7 @@ package bench
 
 import (
 	"bufio"
+	"errors"
 	"fmt"
 	"io"
 	"math"
@@ -54,10 +55,16 @@ var (
 	reAborted = regexp.MustCompile(`(?i)aborted|error`)
 )
 
+// ErrNoTransactions is ParsePgbench's error for a run that processed no transaction.
+var ErrNoTransactions = errors.New("pgbench processed no transaction")
+
 // ParsePgbench reads pgbench's summary. It is an error when the run reported no throughput
 // or an aborted client or error: such a run measured something else than the cell.
 func ParsePgbench(out string) (PgbenchResult, error) {
 	r := PgbenchResult{ConnectionMs: math.NaN()}
+	if m := reTx.FindStringSubmatch(out); m != nil && m[1] == "0" {
+		return r, ErrNoTransactions
+	}
 	m := reTPS.FindStringSubmatch(out)
 	if m == nil {
 		return r, fmt.Errorf("pgbench printed no tps line")

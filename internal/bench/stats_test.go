@@ -1,6 +1,7 @@
 package bench_test
 
 import (
+	"errors"
 	"math"
 	"os"
 	"path/filepath"
@@ -77,8 +78,11 @@ func TestParsePgbench(t *testing.T) {
 	if r.TPS != 102.4 || r.ConnectionMs != 8.123 || r.Transactions != 512 {
 		t.Errorf("connect run parsed as %+v", r)
 	}
+	if _, err := bench.ParsePgbench("number of transactions actually processed: 0\n"); !errors.Is(err, bench.ErrNoTransactions) {
+		t.Errorf("a run without transactions: %v, want ErrNoTransactions", err)
+	}
 	for name, out := range map[string]string{
-		"no tps":  "number of transactions actually processed: 0\n",
+		"no tps":  "number of transactions actually processed: 12\n",
 		"aborted": throughputOutput + "pgbench: error: client 3 aborted in command 1\n",
 	} {
 		if _, err := bench.ParsePgbench(out); err == nil {
