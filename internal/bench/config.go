@@ -161,11 +161,13 @@ func (c *Config) Validate() error {
 
 // maxConnections is PostgreSQL's max_connections for c: the largest pgbench, the idle
 // sessions or the raise's stale sessions, plus room for the benchmark's own connections,
-// the proxy's control connection and autovacuum.
+// the proxy's control connection and autovacuum, plus the server connections PgBouncer keeps
+// open after its largest pgbench (idle ones live for its server_idle_timeout, 10 minutes).
 func (c *Config) maxConnections() int {
-	n := 100
-	for _, v := range append(slices.Clone(c.Clients), c.ConnectClients, c.IdleSessions, slices.Max(append([]int{0}, c.RaiseStale...))) {
-		n = max(n, v+20)
+	clients := slices.Max(append(slices.Clone(c.Clients), c.ConnectClients))
+	n := max(100, clients+20, c.IdleSessions+20, slices.Max(append([]int{0}, c.RaiseStale...))+20)
+	if c.uses(PgBouncer) {
+		n += clients
 	}
 	return n
 }
