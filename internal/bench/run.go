@@ -438,7 +438,7 @@ func (e *env) postmaster() (int, error) {
 // thread connects its clients one after the other, each a fenced bind for the fenced target,
 // and on a loaded machine many clients can use up a short run before the first transaction.
 // Each client a thread connects adds 25 ms to the run; a run that processed no transaction is
-// run again with 2 s more, then twice that, up to 4 times, and the cell and target keep the
+// run again with 2 s more, or 4 times as much, up to 4 times, and the cell and target keep the
 // longer run for the next rounds.
 func (e *env) pgbench(ctx context.Context, cell Cell, t string, round, seconds, transactions int) Sample {
 	key := cell.String() + " " + t
@@ -450,7 +450,7 @@ func (e *env) pgbench(ctx context.Context, cell Cell, t string, round, seconds, 
 		if !errors.Is(s.Err, ErrNoTransactions) || transactions > 0 || attempt == 4 || ctx.Err() != nil {
 			return s
 		}
-		e.allowance[key] = max(2, 2*e.allowance[key])
+		e.allowance[key] = max(2, 4*e.allowance[key])
 		e.say("%s %s: no transaction within -T: again with %d s for its connections", cell, t, e.allowance[key])
 	}
 }
