@@ -127,6 +127,9 @@ func Run(ctx context.Context, cfg Config, out io.Writer) (*Result, error) {
 	for r := 1; r <= cfg.Rounds; r++ {
 		for _, cell := range cfg.Cells() {
 			for _, t := range inRoundOrder(cfg.TargetsOf(cell), r) {
+				if err := ctx.Err(); err != nil {
+					return res, err
+				}
 				s := e.pgbench(ctx, cell, t, r, cfg.Seconds, cfg.Transactions)
 				res.Samples = append(res.Samples, s)
 				if s.Err != nil {
