@@ -80,7 +80,8 @@ demo: deps build
 # cmd/bench: PostgreSQL, PgBouncer and fenceproxy from internal/testenv, pgbench as the load,
 # one table of medians with the ratios; `go run ./cmd/bench --help` lists its settings
 # (BENCH_FLAGS passes them, e.g. BENCH_FLAGS='--rounds=9 --workloads=connect'). About 50
-# minutes on 2 cores; bench-quick is the smoke test's size (a minute or two, figures meaningless).
+# minutes on 2 cores; bench-quick is the smoke test's size (every row, figures meaningless; 256
+# clients included: 15 minutes at load 25-35 on 2 cores, its run measured here).
 BENCH_FLAGS ?=
 bench: deps
 	$(GO) run ./cmd/bench $(BENCH_FLAGS)
