@@ -1,4 +1,4 @@
-# Shell helpers shared by scripts/deps.sh, scripts/driver-suites.sh and bench/bench.sh:
+# Shell helpers shared by scripts/deps.sh and scripts/driver-suites.sh:
 # sourced, not run. The sourcing
 # script sets `prog`, the prefix of its messages, first.
 

@@ -33,12 +33,13 @@
 //	StartProcess(tb, ...)           LaunchProcess(dir, name, argv, env) ... p.Close()
 //	  p.Start / Kill / Stop           p.Launch() / KillWait(d) / Terminate(grace)
 //	StartProxyProcess(tb, ...)      LaunchProxyProcess(ctx, ...)    ... p.Close()
+//	StartPgBouncer(tb, pg, db, o)   LaunchPgBouncer(ctx, pg, db, o) ... b.Close()
 //	BuildGo(tb, dir, pkgs...)       BuildGoContext(ctx, dir, pkgs...)
 //	FreePort(tb)                    PickFreePort()
 //	Migrate(tb, url)                MigrateContext(ctx, url)
 //
-// A benchmark driver, for instance, starts its cluster and proxies like this (and a
-// pgbouncer or any other program as a Process):
+// The benchmark (internal/bench, cmd/bench), for instance, starts its cluster and proxy like
+// this, and PgBouncer with LaunchPgBouncer (any other program runs as a Process):
 //
 //	pg, err := testenv.LaunchPostgres(ctx, testenv.WithConf("max_connections", "300"))
 //	if err != nil { return err }
