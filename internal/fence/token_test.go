@@ -48,6 +48,9 @@ func TestFromStartup(t *testing.T) {
 			fence.Credentials{}, fence.CodeMalformed, nil},
 		{"mixed case without resource", []wire.Param{{Name: "Fence.Token", Value: "5"}}, fence.Credentials{}, fence.CodeMissing, nil},
 		{"unknown fence parameter", []wire.Param{{Name: "fence.tokne", Value: "3"}}, fence.Credentials{}, fence.CodeMalformed, nil},
+		{"clustered switches", []wire.Param{{Name: "options", Value: "-ec fence.resource=billing -Pc fence.token=34"}},
+			fence.Credentials{Resource: "billing", Token: 34, Present: true}, "", []wire.Param{{Name: "options", Value: "-e -P"}}},
+		{"clustered unknown fence setting", []wire.Param{{Name: "options", Value: "-ec fence.bogus=1"}}, fence.Credentials{}, fence.CodeMalformed, nil},
 		{"unknown fence parameter, upper case", []wire.Param{{Name: "FENCE.X", Value: "3"}}, fence.Credentials{}, fence.CodeMalformed, nil},
 	}
 	for _, tt := range tests {

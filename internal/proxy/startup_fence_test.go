@@ -125,6 +125,8 @@ func TestUnfencedPolicies(t *testing.T) {
 	connect(t, allow.FenceURL("app", "postgres", "billing", 50))
 	err = connectErr(allow.URL("app", "postgres", "Fence.Resource=billing", "FENCE.TOKEN=5"))
 	wantStale(t, err)
+	// Nor does getopt's clustering of switches hide one (-ec x is -e -c x).
+	wantStale(t, connectErr(allow.URL("app", "postgres", "options=-ec fence.resource=billing -ec fence.token=5")))
 }
 
 // TestStaleSessionInFlightCancelled: a session frozen in a long query

@@ -70,39 +70,78 @@ type Setting struct {
 	Name, Value string
 }
 
-// ExtractSettings walks the arguments of an `options` string the way the
-// server's command-line switch parser does and returns the settings whose
-// (case-folded) names satisfy keep, together with the remaining arguments
-// with those settings removed. Other switches are left untouched.
+// postgresSwitches is the getopt option string of PostgreSQL 15's backend switches
+// (process_postgres_switches in src/backend/tcop/postgres.c), which parses `options`: the
+// letters followed by ':' take an argument. Only -c and -- set run-time parameters.
+const postgresSwitches = "B:bc:C:D:d:EeFf:h:ijk:lN:nOPp:r:S:sTt:v:W:-:"
+
+// takesArgument reports whether switch letter ch takes an argument, and whether it is one.
+func takesArgument(ch byte) (known, arg bool) {
+	i := strings.IndexByte(postgresSwitches, ch)
+	if i < 0 || ch == ':' {
+		return false, false
+	}
+	return true, i+1 < len(postgresSwitches) && postgresSwitches[i+1] == ':'
+}
+
+// ExtractSettings walks the arguments of an `options` string as the server's getopt does
+// (postgresSwitches) and returns the settings whose (case-folded) names satisfy keep,
+// together with the remaining arguments with those settings removed. Other switches are
+// left untouched.
 //
-// Names are folded to lower case and '-' becomes '_' for `--name=value`, as
-// PostgreSQL does.
+// getopt reads switches clustered in one argument: `-ec x=1` is `-e -c x=1`, `-e-x=1` is
+// `-e --x=1`, and a switch that takes an argument takes the rest of its argument or the
+// next one (`-B -c` gives -B the argument "-c"). A parser that knew only `-c` and `--`
+// missed `-ec fence.token=1`, which the server then set while the proxy saw no token.
+//
+// Names are folded to lower case and '-' becomes '_' for `--name=value`, as PostgreSQL
+// does.
 func ExtractSettings(args []string, keep func(name string) bool) (found []Setting, rest []string, err error) {
 	for i := 0; i < len(args); i++ {
 		a := args[i]
-		var nv string
-		var consumed []string
-		switch {
-		case a == "-c":
-			if i+1 >= len(args) {
-				return nil, nil, fmt.Errorf("options: -c requires a name=value argument")
-			}
-			nv = args[i+1]
-			consumed = args[i : i+2]
-			i++
-		case strings.HasPrefix(a, "-c"):
-			nv = a[2:]
-			consumed = args[i : i+1]
-		case strings.HasPrefix(a, "--") && len(a) > 2:
-			nv = strings.ReplaceAll(a[2:], "-", "_")
-			if eq := strings.IndexByte(a[2:], '='); eq >= 0 {
-				// Only the name part has '-' replaced.
-				nv = strings.ReplaceAll(a[2:2+eq], "-", "_") + a[2+eq:]
-			}
-			consumed = args[i : i+1]
-		default:
+		if len(a) < 2 || a[0] != '-' || a == "--" {
+			// A plain argument, or the end of the switches: the server judges it.
 			rest = append(rest, a)
 			continue
+		}
+		start := i
+		flags := "" // the switches of this argument before a setting
+		var nv string
+		long, setting := false, false
+		for j := 1; j < len(a); j++ {
+			known, arg := takesArgument(a[j])
+			if !known || !arg {
+				flags += string(a[j]) // a flag, or a switch the server will refuse
+				continue
+			}
+			value := a[j+1:]
+			if value == "" {
+				if i+1 >= len(args) {
+					return nil, nil, fmt.Errorf("options: -%c requires an argument", a[j])
+				}
+				i++
+				value = args[i]
+			}
+			if a[j] == 'c' || a[j] == '-' {
+				nv, long, setting = value, a[j] == '-', true
+			}
+			if !setting {
+				flags += string(a[j]) + value // kept as it was: -Bvalue
+			}
+			break
+		}
+		consumed := args[start : i+1]
+		if !setting {
+			rest = append(rest, consumed...)
+			continue
+		}
+		if long {
+			if eq := strings.IndexByte(nv, '='); eq >= 0 {
+				// Only the name part has '-' replaced.
+				nv = strings.ReplaceAll(nv[:eq], "-", "_") + nv[eq:]
+			} else {
+				nv = strings.ReplaceAll(nv, "-", "_")
+			}
 		}
 		name, value, ok := strings.Cut(nv, "=")
 		if !ok {
@@ -111,11 +150,14 @@ func ExtractSettings(args []string, keep func(name string) bool) (found []Settin
 			continue
 		}
 		name = strings.ToLower(name)
-		if keep(name) {
-			found = append(found, Setting{Name: name, Value: value})
+		if !keep(name) {
+			rest = append(rest, consumed...)
 			continue
 		}
-		rest = append(rest, consumed...)
+		found = append(found, Setting{Name: name, Value: value})
+		if flags != "" {
+			rest = append(rest, "-"+flags) // the switches clustered before the setting stay
+		}
 	}
 	return found, rest, nil
 }

@@ -88,6 +88,16 @@ func TestOptions(t *testing.T) {
 		{`-c x=a\\b`, []string{"-c", `x=a\b`}, nil, []string{"-c", `x=a\b`}},
 		{"", nil, nil, nil},
 		{`  -B 10  `, []string{"-B", "10"}, nil, []string{"-B", "10"}},
+		// Switches clustered as getopt reads them: -ec x is -e -c x, and -e-x is -e --x. A
+		// review's -ec fence.token=1 was set by the server while the proxy saw no token.
+		{`-ec fence.token=1`, []string{"-ec", "fence.token=1"}, []wire.Setting{{"fence.token", "1"}}, []string{"-e"}},
+		{`-Pcfence.token=5`, []string{"-Pcfence.token=5"}, []wire.Setting{{"fence.token", "5"}}, []string{"-P"}},
+		{`-e-fence.token=2`, []string{"-e-fence.token=2"}, []wire.Setting{{"fence.token", "2"}}, []string{"-e"}},
+		{`-nc x=1`, []string{"-nc", "x=1"}, nil, []string{"-nc", "x=1"}},
+		// -B takes the next argument, "-c", as its own: no setting (the server then refuses
+		// the stray argument).
+		{`-B -c fence.token=3`, []string{"-B", "-c", "fence.token=3"}, nil, []string{"-B", "-c", "fence.token=3"}},
+		{`-Bc -c fence.token=4`, []string{"-Bc", "-c", "fence.token=4"}, []wire.Setting{{"fence.token", "4"}}, []string{"-Bc"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.in, func(t *testing.T) {
@@ -107,8 +117,10 @@ func TestOptions(t *testing.T) {
 			}
 		})
 	}
-	if _, _, err := wire.ExtractSettings([]string{"-c"}, func(string) bool { return true }); err == nil {
-		t.Fatal("-c without argument: want error")
+	for _, args := range [][]string{{"-c"}, {"-ec"}, {"-B"}} {
+		if _, _, err := wire.ExtractSettings(args, func(string) bool { return true }); err == nil {
+			t.Fatalf("%q without argument: want error", args)
+		}
 	}
 }
 
