@@ -172,24 +172,11 @@ func (g *EtcdGuard) record(ctx context.Context, res string, l etcdLeader) error 
 // Judge implements HolderAdmitter: what a record rec of the database that does not admit
 // token, which etcd showed held by holder, means for res.
 func (g *EtcdGuard) Judge(ctx context.Context, res string, token int64, holder string, rec fence.ConsulRecord) error {
-	switch {
-	case rec.Regression != "":
-		return g.closed(res, rec.Regression)
-	case rec.Token <= token:
-		// Not an answer consul_admit gives (one number with two holders is a regression).
-		return fence.Unavailable(res, fmt.Sprintf("the database recorded token %d of %s for token %d of %s", rec.Token, rec.Holder, token, holder))
+	current := func() (int64, error) {
+		l, _, err := g.leader(ctx, res)
+		return l.rev, err
 	}
-	// A higher token is recorded: a newer leader (this read is behind), or etcd's
-	// revisions went back below a token already admitted. A read started now tells.
-	cur, _, err := g.leader(ctx, res)
-	if err != nil {
-		return fence.Unavailable(res, "etcd's election state is unknown ("+err.Error()+"); no token is admitted without etcd's word")
-	}
-	if cur.rev >= rec.Token {
-		return fence.Stale(res, token, rec.Token)
-	}
-	return g.closed(res, fmt.Sprintf("the database admitted token %d (%s) but etcd's current leader key was created at revision %d",
-		rec.Token, rec.Holder, cur.rev))
+	return judgeRecord(res, token, holder, rec, "etcd", current, func(why string) error { return g.closed(res, why) })
 }
 
 // closed fails res closed for reason and returns the error its sessions get.

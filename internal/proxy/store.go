@@ -1,6 +1,11 @@
 package proxy
 
-import "github.com/fenceproxy/fenceproxy/internal/lease"
+import (
+	"fmt"
+
+	"github.com/fenceproxy/fenceproxy/internal/fence"
+	"github.com/fenceproxy/fenceproxy/internal/lease"
+)
 
 // StoreDatabase names a resource whose tokens no lock service validates: the database alone
 // orders them (the PostgreSQL lease's generations, or tokens the application brings).
@@ -74,4 +79,30 @@ func storeOf(a Admitter, resource string) string {
 		return g.store()
 	}
 	return StoreDatabase
+}
+
+// judgeRecord is what a record rec of the database that does not admit token, which the
+// store showed held by holder, means for res (the etcd and ZooKeeper guards' Judge; the
+// Consul Guard's judge reasons the same way). A recorded regression, or the same token
+// recorded for another holder (consul_admit turns that into one), fails the resource closed
+// (fail). A higher recorded token is either a newer holder (the store's answer was behind:
+// stale, ZF001) or the store's numbers went back below an admitted token (fail): current,
+// a read started now, tells them apart.
+func judgeRecord(res string, token int64, holder string, rec fence.ConsulRecord, store string,
+	current func() (int64, error), fail func(why string) error) error {
+	switch {
+	case rec.Regression != "":
+		return fail(rec.Regression)
+	case rec.Token <= token:
+		// Not an answer consul_admit gives (one number with two holders is a regression).
+		return fence.Unavailable(res, fmt.Sprintf("the database recorded token %d of %s for token %d of %s", rec.Token, rec.Holder, token, holder))
+	}
+	cur, err := current()
+	if err != nil {
+		return fence.Unavailable(res, store+"'s lock state is unknown ("+err.Error()+"); no token is admitted without "+store+"'s word")
+	}
+	if cur >= rec.Token {
+		return fence.Stale(res, token, rec.Token)
+	}
+	return fail(fmt.Sprintf("the database admitted token %d (%s) but %s's current holder has token %d", rec.Token, rec.Holder, store, cur))
 }

@@ -334,26 +334,16 @@ func (g *ZooKeeperGuard) AdmitHolder(ctx context.Context, c fence.Credentials) (
 // recorded is stale when ZooKeeper now shows a holder at or above it, and a regression
 // otherwise.
 func (g *ZooKeeperGuard) Judge(ctx context.Context, res string, token int64, holder string, rec fence.ConsulRecord) error {
-	fail := func(why string) error {
+	current := func() (int64, error) {
+		h, _, err := g.holder(ctx, res, false)
+		return h.token, err
+	}
+	return judgeRecord(res, token, holder, rec, "ZooKeeper", current, func(why string) error {
 		g.mu.Lock()
 		g.failClosed(res, why)
 		g.mu.Unlock()
 		return g.regression(res)
-	}
-	switch {
-	case rec.Regression != "":
-		return fail(rec.Regression)
-	case rec.Token <= token:
-		return fence.Unavailable(res, fmt.Sprintf("the database recorded token %d of %s for token %d of %s", rec.Token, rec.Holder, token, holder))
-	}
-	cur, _, err := g.holder(ctx, res, false)
-	if err != nil {
-		return fence.Unavailable(res, "ZooKeeper's lock state is unknown ("+err.Error()+"); no token is admitted without ZooKeeper's word")
-	}
-	if cur.token >= rec.Token {
-		return fence.Stale(res, token, rec.Token)
-	}
-	return fail(fmt.Sprintf("the database admitted token %d (%s) but ZooKeeper's lock holder's node was created at zxid %d", rec.Token, rec.Holder, cur.token))
+	})
 }
 
 // Run watches every lock folder until ctx ends, raising each new holder's token.
