@@ -381,11 +381,18 @@ func (ge *genEnv) staleRound(r *v2Run, w int, seed uint64, seq *genSeq, rng *ran
 	if err != nil {
 		r.fatalf("pg_stat_activity: %v", err)
 	}
+	// refused: a raise attempt failed after ending the stale backend (another
+	// worker's transaction was prepared between fence.end_stale's two checks,
+	// P4). Nothing was raised then, so a listening proxy, asking the database
+	// at the backend's end, rightly saw no higher token and relayed the
+	// server's 57P01 with its hint.
+	refused := false
 	for attempt := 0; ; attempt++ {
 		err := ge.raise(ctx, "gen_stale", res, tok+1)
 		if err == nil {
 			break
 		}
+		refused = true
 		if v2Code(err) != fence.CodeRaiseFailed || !strings.Contains(err.Error(), "prepared transactions exist") || attempt == 500 {
 			r.fatalf("raise to %d (attempt %d): %v\nsequence (cut before message %d):%s", tok+1, attempt, err, cut, seq.listing())
 		}
@@ -450,7 +457,7 @@ func (ge *genEnv) staleRound(r *v2Run, w int, seed uint64, seq *genSeq, rng *ran
 		stats.endedBeforeRaise.Add(1)
 	case how == fence.CodeStale:
 		stats.endedZF001.Add(1)
-	case how == "57P01" && !listening:
+	case how == "57P01" && (!listening || refused):
 		stats.ended57P01.Add(1)
 	case (how == "08006" || how == "closed") && !listening:
 		stats.endedClosed.Add(1) // the backend ended without a word (08006: the proxy says so)
@@ -458,7 +465,7 @@ func (ge *genEnv) staleRound(r *v2Run, w int, seed uint64, seq *genSeq, rng *ran
 		r.errorf("stale session through the %s proxy ended with %s; transcript:%s\nsequence (cut before message %d):%s",
 			map[bool]string{true: "listening", false: "deaf"}[listening], how, s.transcript(), cut, seq.listing())
 	}
-	if len(rest) > 0 && listening && !ownEnd {
+	if len(rest) > 0 && listening && !ownEnd && !refused {
 		// ZF001 last: a FATAL, or an ERROR and the proxy's ReadyForQuery.
 		last := rest[len(rest)-1]
 		if last.Type == "ReadyForQuery" && len(rest) > 1 {
