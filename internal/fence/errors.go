@@ -96,8 +96,8 @@ func NotIssued(resource string, token, current int64) *Error {
 func NotHeld(resource string, token int64) *Error {
 	return &Error{
 		Code:     CodeNotHeld,
-		Message:  fmt.Sprintf("fencing lock not held: nobody holds the lock of resource %q (token %d); the lease expired or was released", resource, token),
-		Hint:     "Acquire the lock again and use the new LockIndex.",
+		Message:  fmt.Sprintf("fencing lock not held: nobody holds the lock of resource %q (token %d); its holder's session ended or the lock was released", resource, token),
+		Hint:     "Acquire the lock again and use the token it returns (Consul's LockIndex).",
 		Resource: resource, Token: token,
 	}
 }

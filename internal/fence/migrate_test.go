@@ -204,7 +204,7 @@ func waitBlockedBy(t *testing.T, conn *pgx.Conn, pid uint32) uint32 {
 }
 
 // allVersions are the embedded migrations, in order.
-var allVersions = []int64{1, 2, 3, 4, 5, 6, 7, 8}
+var allVersions = []int64{1, 2, 3, 4, 5, 6, 7, 8, 9}
 
 func TestMigrate(t *testing.T) {
 	c := startSchemaCluster(t)
@@ -260,8 +260,8 @@ func TestMigrate(t *testing.T) {
 				t.Errorf("migration %d (%s) not applied", s.Version, s.Name)
 			}
 		}
-		if last := states[len(states)-1]; last.Version != 8 || last.Name != "00008_review_fixes.sql" {
-			t.Errorf("last migration %+v, want 00008_review_fixes.sql", last)
+		if last := states[len(states)-1]; last.Version != 9 || last.Name != "00009_store_words.sql" {
+			t.Errorf("last migration %+v, want 00009_store_words.sql", last)
 		}
 
 		// Without a stored key, fencing is unavailable (fail closed), whatever the proof.
@@ -575,8 +575,8 @@ func TestMigrateV4Upgrade(t *testing.T) {
 		case <-time.After(30 * time.Second):
 			t.Fatal("Migrate did not complete within 30 s of the checked transaction's end")
 		}
-		if r.err != nil || !slices.Equal(r.applied, []int64{4, 5, 6, 7, 8}) {
-			t.Fatalf("upgrade applied %v, %v; want [4 5 6 7]", r.applied, r.err)
+		if r.err != nil || !slices.Equal(r.applied, allVersions[3:]) {
+			t.Fatalf("upgrade applied %v, %v; want %v", r.applied, r.err, allVersions[3:])
 		}
 		select {
 		case err := <-lateDone:
@@ -628,7 +628,7 @@ func TestMigrateV4Upgrade(t *testing.T) {
 	})
 }
 
-// TestMigrateV4Down: versions 8 (the review fixes), 7 (Consul), 6 (the history) and 5 (the lease) migrate down to version 4 and up again; version 4
+// TestMigrateV4Down: versions 9 (the stores' words), 8 (the review fixes), 7 (Consul), 6 (the history) and 5 (the lease) migrate down to version 4 and up again; version 4
 // cannot be migrated down: the attempt fails and leaves the schema at version 4, fencing
 // intact.
 func TestMigrateV4Down(t *testing.T) {
@@ -670,8 +670,8 @@ func TestMigrateV4Down(t *testing.T) {
 	if got := mustBind(t, schemaConnect(t, url), "billing", 5); got != 5 {
 		t.Fatalf("bind after the failed down migration = %d", got)
 	}
-	if applied, err := fence.Migrate(t.Context(), url); err != nil || !slices.Equal(applied, []int64{5, 6, 7, 8}) {
-		t.Fatalf("Migrate after the failed down migration = %v, %v; want [5 6 7 8]", applied, err)
+	if applied, err := fence.Migrate(t.Context(), url); err != nil || !slices.Equal(applied, allVersions[4:]) {
+		t.Fatalf("Migrate after the failed down migration = %v, %v; want %v", applied, err, allVersions[4:])
 	}
 	if got := mustBind(t, schemaConnect(t, url), "billing", 5); got != 5 {
 		t.Fatalf("bind at version 5 again = %d", got)

@@ -48,6 +48,9 @@ type Leader struct {
 	Since time.Time
 	// Holder is the holder of Token when known (a Consul session), else "".
 	Holder string
+	// HolderName is the name its lock service knows Holder by (a Consul session's Name),
+	// filled in by the proxy, else "".
+	HolderName string
 	// Changes counts the moves of Token to a higher one since the proxy started (learning the
 	// first token is not one).
 	Changes int64

@@ -21,7 +21,7 @@ var (
 	// issued it. SQLSTATE ZF002.
 	ErrNotIssued = errors.New("fencing token not issued")
 	// ErrNotHeld: the lock key exists with the token's LockIndex (or does not exist) but
-	// no session holds it: the lease expired or was released. SQLSTATE ZF006.
+	// no session holds it: its session ended or released it. SQLSTATE ZF006.
 	ErrNotHeld = errors.New("lock not held")
 	// ErrUnavailable: the lock's state is unknown (Consul unreachable, no leader, ACL
 	// denied, or the watch has not resynchronised yet). SQLSTATE ZF007.
@@ -94,7 +94,7 @@ func (e *TokenError) Error() string {
 				"nobody holds the lock; acquire it first", e.Key, e.Err)
 		}
 		return fmt.Sprintf("lock %q: %v: token %d is the current %s but no session holds the lock: "+
-			"the lease expired or was released; acquire the lock again", e.Key, e.Err, e.Token, what)
+			"its session ended (expired, invalidated or destroyed) or released it; acquire the lock again", e.Key, e.Err, e.Token, what)
 	case ErrSessionMismatch:
 		return fmt.Sprintf("lock %q: %v: session %s is not the holder of %s %d (holder %s)",
 			e.Key, e.Err, e.Session, what, cur, s.Session)

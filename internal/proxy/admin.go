@@ -34,6 +34,7 @@ type ResourceStatus struct {
 	// known (a Consul session).
 	Token      int64      `json:"token,string"` // a string: JSON numbers lose precision above 2^53 in a script
 	Holder     string     `json:"holder,omitempty"`
+	HolderName string     `json:"holder_name,omitempty"` // the name the lock service knows Holder by (a Consul session's Name)
 	AdmittedAt *time.Time `json:"admitted_at,omitempty"` // when this proxy learned of Token
 	Changes    int64      `json:"changes"`
 	Flapping   bool       `json:"flapping"`
@@ -89,7 +90,7 @@ func (s *Server) Status(ctx context.Context) Status {
 	now := time.Now()
 	names := s.conf().names
 	for _, l := range s.lead.leaders() {
-		r := ResourceStatus{Resource: l.Resource, Store: storeOf(s.admit, l.Resource), Token: l.Token, Holder: l.Holder, Changes: l.Changes,
+		r := ResourceStatus{Resource: l.Resource, Store: storeOf(s.admit, l.Resource), Token: l.Token, Holder: l.Holder, HolderName: l.HolderName, Changes: l.Changes,
 			Flapping: s.lead.isFlapping(l.Resource, now), Sessions: map[string]int{}, Removed: !slices.Contains(names, l.Resource)}
 		if !l.Since.IsZero() {
 			r.AdmittedAt = &l.Since

@@ -88,6 +88,55 @@ type Guard struct {
 	// it again with every later change of the key).
 	reportMu sync.Mutex
 	reported map[string]*lease.RegressionError
+
+	// names holds the Name of the Consul sessions that held a lock (fenceproxy lock names
+	// its sessions "fenceproxy lock <resource>"), read once per session for the status page
+	// and fenceproxy_leader_info; a session's Name never changes.
+	client   *api.Client
+	namesMu  sync.Mutex
+	names    map[string]string // session ID -> Name
+	fetching map[string]bool
+}
+
+// maxNames bounds Guard.names: past it the map starts over (holders come and go).
+const maxNames = 256
+
+// holderName is the Name of Consul session id, or "" while it is not known; the first call
+// for a session reads it from Consul in the background.
+func (g *Guard) holderName(id string) string {
+	if id == "" || g.client == nil {
+		return ""
+	}
+	g.namesMu.Lock()
+	defer g.namesMu.Unlock()
+	if n, ok := g.names[id]; ok {
+		return n
+	}
+	if !g.fetching[id] {
+		g.fetching[id] = true
+		go g.fetchName(id)
+	}
+	return ""
+}
+
+func (g *Guard) fetchName(id string) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	se, _, err := g.client.Session().Info(id, (&api.QueryOptions{}).WithContext(ctx))
+	g.namesMu.Lock()
+	defer g.namesMu.Unlock()
+	delete(g.fetching, id)
+	if err != nil {
+		g.log.Debug("could not read a Consul session's name", zap.String("session", id), zap.Error(err))
+		return // asked again at the next status
+	}
+	if len(g.names) >= maxNames {
+		clear(g.names)
+	}
+	g.names[id] = "" // a session destroyed since: no name to show
+	if se != nil {
+		g.names[id] = se.Name
+	}
 }
 
 type guardMetrics struct {
@@ -156,6 +205,7 @@ func (g *Guard) finish(ctx context.Context, client *api.Client, keys []string, c
 	}
 	g.watcher = w
 	g.mode = mode
+	g.client, g.names, g.fetching = client, map[string]string{}, map[string]bool{}
 	if control != "" {
 		pc, err := pgxpool.ParseConfig(control)
 		if err != nil {

@@ -13,6 +13,7 @@ import (
 
 	"github.com/hashicorp/consul/api"
 	"github.com/jackc/pgx/v5"
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
 	"github.com/fenceproxy/fenceproxy/internal/proxy"
@@ -159,6 +160,54 @@ func TestConsulAdmission(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// TestConsulHolderName: the status and fenceproxy_leader_info show the holder's Consul
+// session and its Name (issue 13: the holder's name when known).
+func TestConsulHolderName(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	s := startConsulProxy(t)
+	cfg := proxy.Config{Resources: []string{"billing=locks/billing"}, ConsulAddr: s.consul.Addr, ControlDatabase: s.pg.AdminURL()}
+	p := testenv.StartProxy(t, s.pg, cfg, testenv.ProxyOptions{Admitter: s.guard, Registry: s.proxy.Registry, Registerer: reg})
+	id, _, err := s.client.Session().Create(&api.SessionEntry{Name: "billing-worker-3", TTL: "60s", LockDelay: time.Millisecond}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ok, _, err := s.client.KV().Acquire(&api.KVPair{Key: "locks/billing", Session: id}, nil); err != nil || !ok {
+		t.Fatalf("acquire: %v %v", ok, err)
+	}
+	kv, _, err := s.client.KV().Get("locks/billing", &api.QueryOptions{RequireConsistent: true})
+	if err != nil || kv == nil {
+		t.Fatalf("read back: %v %v", kv, err)
+	}
+	eventually(t, "admitted", func() error { return connectErr(p.FenceURL("app", "postgres", "billing", int64(kv.LockIndex))) })
+	eventually(t, "holder name in the status", func() error {
+		st := p.Server.Status(ctxT(t))
+		if len(st.Resources) != 1 || st.Resources[0].Holder != id || st.Resources[0].HolderName != "billing-worker-3" {
+			return fmt.Errorf("status %+v", st.Resources)
+		}
+		return nil
+	})
+	families, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	found := false
+	for _, f := range families {
+		for _, m := range f.GetMetric() {
+			labels := map[string]string{}
+			for _, l := range m.GetLabel() {
+				labels[l.GetName()] = l.GetValue()
+			}
+			if f.GetName() == "fenceproxy_leader_info" && labels["resource"] == "billing" && labels["holder"] == id &&
+				labels["holder_name"] == "billing-worker-3" && m.GetGauge().GetValue() == 1 {
+				found = true
+			}
+		}
+	}
+	if !found {
+		t.Errorf("no fenceproxy_leader_info{resource=billing,holder=%s,holder_name=billing-worker-3} 1 in %v", id, families)
+	}
 }
 
 // TestConsulLeaderChange: when Consul hands the lock over, the proxy raises

@@ -39,7 +39,7 @@ type leadership struct {
 	refused  map[[2]string]float64
 	ended    map[string]float64 // resource -> sessions ended stale
 
-	descInfo, descToken, descChanges, descLast, descFlap, descSessions, descBlocked, descRefused, descEnded *prometheus.Desc
+	descInfo, descHolder, descToken, descChanges, descLast, descFlap, descSessions, descBlocked, descRefused, descEnded *prometheus.Desc
 }
 
 func newLeadership(srv *Server) *leadership {
@@ -47,6 +47,7 @@ func newLeadership(srv *Server) *leadership {
 		refused: map[[2]string]float64{}, ended: map[string]float64{}}
 	res := []string{"resource"}
 	l.descInfo = prometheus.NewDesc("fenceproxy_resource_info", "1 for each resource, labelled with the lock service that validates its tokens (consul, etcd; database: the database alone orders them).", []string{"resource", "store"}, nil)
+	l.descHolder = prometheus.NewDesc("fenceproxy_leader_info", "1 for each resource whose leader's holder is known, labelled with the holder (a Consul session, an etcd lease, a ZooKeeper session) and the name its lock service knows it by (a Consul session's Name; empty when none).", []string{"resource", "holder", "holder_name"}, nil)
 	l.descToken = prometheus.NewDesc("fenceproxy_leader_token", "The highest fencing token this proxy knows to be admitted for the resource (its leader's; 0: none yet).", res, nil)
 	l.descChanges = prometheus.NewDesc("fenceproxy_leader_changes_total", "Moves of the resource's leader to a higher token since the proxy started.", res, nil)
 	l.descLast = prometheus.NewDesc("fenceproxy_leader_last_change_timestamp_seconds", "When this proxy learned of the resource's current leader token (Unix time).", res, nil)
@@ -144,8 +145,11 @@ func (l *leadership) leaders() []fence.Leader {
 		return 0
 	})
 	for i := range out {
-		if g := guardOf(l.srv.admit, out[i].Resource); g != nil && out[i].Holder == "" {
-			out[i].Holder = g.holderOf(out[i].Resource, out[i].Token)
+		if g := guardOf(l.srv.admit, out[i].Resource); g != nil {
+			if out[i].Holder == "" {
+				out[i].Holder = g.holderOf(out[i].Resource, out[i].Token)
+			}
+			out[i].HolderName = g.holderName(out[i].Holder)
 		}
 	}
 	return out
@@ -153,7 +157,7 @@ func (l *leadership) leaders() []fence.Leader {
 
 // Describe implements prometheus.Collector.
 func (l *leadership) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{l.descInfo, l.descToken, l.descChanges, l.descLast, l.descFlap, l.descSessions, l.descBlocked, l.descRefused, l.descEnded} {
+	for _, d := range []*prometheus.Desc{l.descInfo, l.descHolder, l.descToken, l.descChanges, l.descLast, l.descFlap, l.descSessions, l.descBlocked, l.descRefused, l.descEnded} {
 		ch <- d
 	}
 }
@@ -164,6 +168,9 @@ func (l *leadership) Collect(ch chan<- prometheus.Metric) {
 	for _, ld := range l.leaders() {
 		r := ld.Resource
 		ch <- prometheus.MustNewConstMetric(l.descInfo, prometheus.GaugeValue, 1, r, storeOf(l.srv.admit, r))
+		if ld.Holder != "" {
+			ch <- prometheus.MustNewConstMetric(l.descHolder, prometheus.GaugeValue, 1, r, ld.Holder, ld.HolderName)
+		}
 		ch <- prometheus.MustNewConstMetric(l.descToken, prometheus.GaugeValue, float64(ld.Token), r)
 		ch <- prometheus.MustNewConstMetric(l.descChanges, prometheus.CounterValue, float64(ld.Changes), r)
 		if !ld.Since.IsZero() {

@@ -687,7 +687,7 @@ func (sess *session) bound(ctx context.Context, row [][]byte, serverErr *pgproto
 	if sess.holder != "" {
 		// recorded, recorded holder, regression, stored (ConsulBindQuery)
 		if len(row) != 4 {
-			return fatalf(fence.CodeUnavailable, "fenceproxy could not read the database's record of Consul tokens for resource %q (fence schema version 8: fenceproxy migrate)", c.Resource)
+			return fatalf(fence.CodeUnavailable, "fenceproxy could not read the database's record of Consul tokens for resource %q (fence schema version 8 or later: fenceproxy migrate)", c.Resource)
 		}
 		rec := fence.ConsulRecord{Holder: string(row[1]), Regression: string(row[2])}
 		rec.Token, _ = strconv.ParseInt(string(row[0]), 10, 64)

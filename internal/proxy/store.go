@@ -21,6 +21,8 @@ type storeGuard interface {
 	// holderOf is the holder of token for resource as the service last showed it ("" when
 	// not known).
 	holderOf(resource string, token int64) string
+	// holderName is the name the service knows holder by ("" when none or not known yet).
+	holderName(holder string) string
 }
 
 func (g *Guard) store() string          { return lease.StoreConsul }
@@ -52,6 +54,10 @@ func (g *EtcdGuard) holderOf(resource string, token int64) string {
 func (g *Guard) guards(resource string) bool { return g.Validates(resource) }
 
 func (g *Guard) holderOf(resource string, token int64) string { return g.holder(resource, token) }
+
+// etcd's leases and ZooKeeper's sessions have no name of their own.
+func (g *EtcdGuard) holderName(string) string      { return "" }
+func (g *ZooKeeperGuard) holderName(string) string { return "" }
 
 func (g *EtcdGuard) guards(resource string) bool {
 	_, ok := g.prefixes[resource]

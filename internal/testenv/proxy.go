@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest"
 
@@ -60,6 +61,8 @@ type ProxyOptions struct {
 	Registry *fence.Registry
 	// Logger (nil: the test's log, warnings and above).
 	Logger *zap.Logger
+	// Registerer receives the proxy's leadership metrics (nil: none).
+	Registerer prometheus.Registerer
 }
 
 // StartProxy starts a proxy listening on a free loopback port in front of
@@ -89,7 +92,7 @@ func StartProxy(tb testing.TB, pg *Postgres, cfg proxy.Config, opts ...ProxyOpti
 		o.Registry = fence.NewRegistry()
 	}
 	m := proxy.NewMetrics(nil)
-	srv, err := proxy.New(cfg, proxy.Options{Logger: o.Logger, Registry: o.Registry, Admitter: o.Admitter, Metrics: m})
+	srv, err := proxy.New(cfg, proxy.Options{Logger: o.Logger, Registry: o.Registry, Admitter: o.Admitter, Metrics: m, Registerer: o.Registerer})
 	if err != nil {
 		ln.Close()
 		tb.Fatalf("testenv: proxy config: %v", err)

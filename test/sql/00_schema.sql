@@ -17,8 +17,8 @@ SELECT has_table('fence', 'bindings', 'fence.bindings exists');
 SELECT has_table('fence', 'keys', 'fence.keys exists');
 SELECT has_table('fence', 'goose_db_version', 'goose keeps its version table in the fence schema');
 SELECT hasnt_table('public', 'goose_db_version', 'no goose version table in public');
-SELECT is((SELECT max(version_id) FROM fence.goose_db_version WHERE is_applied), 8::bigint,
-    'the schema is at version 8');
+SELECT is((SELECT max(version_id) FROM fence.goose_db_version WHERE is_applied), 9::bigint,
+    'the schema is at version 9');
 
 -- fence.tokens (version 1, unchanged).
 SELECT col_type_is('fence', 'tokens', 'resource', 'text', 'tokens.resource is text');
@@ -85,8 +85,8 @@ SELECT function_returns('fence', 'raise', ARRAY['text', 'bigint', 'text'], 'bigi
 SELECT function_returns('fence', 'reset', ARRAY['text', 'bigint'], 'bigint');
 SELECT function_returns('fence', 'settled', ARRAY['text', 'bigint', 'text'], 'bigint');
 SELECT function_returns('fence', 'proof', ARRAY['text', 'text', 'bigint', 'integer'], 'text');
-SELECT is((SELECT count(*) FROM pg_proc WHERE pronamespace = 'fence'::regnamespace), 20::bigint,
-    'the fence schema holds exactly twenty functions');
+SELECT is((SELECT count(*) FROM pg_proc WHERE pronamespace = 'fence'::regnamespace), 21::bigint,
+    'the fence schema holds exactly twenty-one functions');
 SELECT is(array_agg(p.oid::regprocedure::text ORDER BY p.oid::regprocedure::text), NULL,
     'every fence function is SECURITY DEFINER')
 FROM pg_proc AS p WHERE p.pronamespace = 'fence'::regnamespace AND NOT p.prosecdef

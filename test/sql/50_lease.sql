@@ -6,7 +6,7 @@
 \ir _psql.psql
 
 BEGIN;
-SELECT plan(67);
+SELECT plan(70);
 \ir _helpers.psql
 
 CREATE ROLE tap_nobody_lease NOLOGIN;
@@ -164,6 +164,15 @@ SELECT is(pg_temp.remote('s', 'SELECT 1::text'), '1', 'the session bound before 
 SELECT pg_temp.remote_pid('s') AS s_pid \gset
 SELECT is(pg_temp.acquire('a', 'tap-lease', 'h3', '10 s'), 'true 4 h3', 'another holder takes over with generation 4');
 SELECT is(pg_temp.alive(:s_pid), false, '... and the session bound to generation 3 was ended before that committed');
+
+-- (L9, migration 9) No generation above the largest bigint: a clear refusal, not an overflow.
+SELECT is(pg_temp.remote('adm', $$SELECT coalesce(fence.reset('tap-lease-max', 9223372036854775807)::text, 'none')$$)::text, 'none',
+    'the operator stores the largest token for a resource');
+SELECT is((pg_temp.error_of(format('SELECT * FROM dblink(%L, %L) AS t(r text)', 'a',
+    $$SELECT acquired::text FROM fence.lease_acquire('tap-lease-max', 'h1', '10 s')$$)))[1], 'ZF007',
+    'fence.lease_acquire above it: ZF007 (no higher generation exists), not 22003');
+SELECT is((SELECT count(*) FROM fence.leases WHERE resource = 'tap-lease-max' AND holder IS NOT NULL), 0::bigint,
+    '... and no lease is held');
 
 SELECT dblink_exec('adm', $$
     DELETE FROM fence.leases WHERE resource LIKE 'tap-lease%';

@@ -5,7 +5,7 @@
 \ir _psql.psql
 
 BEGIN;
-SELECT plan(33);
+SELECT plan(38);
 \ir _helpers.psql
 
 CREATE ROLE tap_nobody_consul NOLOGIN;
@@ -64,7 +64,7 @@ SELECT is(pg_temp.regression_of('tap-consul'), NULL, 'no regression recorded so 
 
 -- One token, one holder (C2).
 SELECT is(pg_temp.admit('p1', 'tap-consul', 7, 's3'), '7 s2 true', 'the recorded token with another holder: a regression');
-SELECT matches(pg_temp.regression_of('tap-consul'), 'token 7 was admitted for Consul session s2 and is now held by session s3',
+SELECT matches(pg_temp.regression_of('tap-consul'), 'token 7 was admitted for consul session s2 and is now held by consul session s3: Consul issued',
     'the regression names both holders');
 
 -- Never forgotten (C1): every later admission answers with it, the first reason stays.
@@ -93,6 +93,19 @@ SELECT is(pg_temp.admit('p2', 'tap-consul-c', 4, 's2'), '4 s1 true', 'token 4 no
 SELECT is(pg_temp.alive(:s1a_pid), false, '... and the session bound to token 4 was ended before it committed');
 SELECT is((SELECT holder FROM fence.history WHERE resource = 'tap-consul-c' ORDER BY id DESC LIMIT 1),
     'consul session s1', 'the history names the Consul session a raise admitted (migration 8)');
+
+-- (W1, migration 9) Each service's holders in its own words: the etcd and ZooKeeper guards
+-- record "etcd lease <id>" and "zookeeper session <id>".
+SELECT is(pg_temp.admit('p1', 'tap-consul-e', 9, 'etcd lease 1a'), '9 etcd lease 1a false', 'token 9 admitted for an etcd lease');
+SELECT is(pg_temp.admit('p2', 'tap-consul-e', 9, 'etcd lease 2b'), '9 etcd lease 1a true', 'token 9 now held by another lease: a regression');
+SELECT is(pg_temp.regression_of('tap-consul-e'),
+    'token 9 was admitted for etcd lease 1a and is now held by etcd lease 2b: etcd issued the number twice (its sequence went back and came up again)',
+    'an etcd regression speaks of etcd''s leases, not of Consul');
+SELECT is(pg_temp.admit('p1', 'tap-consul-z', 4, 'zookeeper session 7'), '4 zookeeper session 7 false', 'token 4 admitted for a ZooKeeper session');
+SELECT pg_temp.connect('z1', 'tap_consul') \g /dev/null
+SELECT pg_temp.bind('z1', 'tap-consul-z', 4) \g /dev/null
+SELECT is((SELECT holder FROM fence.history WHERE resource = 'tap-consul-z' ORDER BY id DESC LIMIT 1),
+    'zookeeper session 7', 'the history names a ZooKeeper holder as the guard recorded it, not as a Consul session');
 
 -- fence.reset is the way out (not granted to PUBLIC).
 SELECT function_privs_are('fence', 'reset', ARRAY['text', 'bigint'], 'tap_nobody_consul', ARRAY[]::text[],
