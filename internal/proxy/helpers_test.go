@@ -23,6 +23,14 @@ func ctxT(t *testing.T) context.Context {
 	return ctx
 }
 
+// ctxLong is ctxT for the 100 MB transfers: under -race on two loaded cores one took 65 s
+// (CI), and their point is the bytes, not the time.
+func ctxLong(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	t.Cleanup(cancel)
+	return ctx
+}
+
 func connect(t *testing.T, url string) *pgx.Conn { return testenv.Connect(t, url) }
 
 func connectErr(url string) error {

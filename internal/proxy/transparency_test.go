@@ -652,7 +652,7 @@ func testLargeParam(t *testing.T, e tenv) {
 	sum := md5.Sum([]byte(s)) //nolint:gosec
 	var back, serverMD5 string
 	// $1 once: the simple protocol would paste it twice.
-	if err := conn.QueryRow(ctxT(t), "SELECT s, md5(s) FROM (SELECT $1::text AS s) x", s).Scan(&back, &serverMD5); err != nil {
+	if err := conn.QueryRow(ctxLong(t), "SELECT s, md5(s) FROM (SELECT $1::text AS s) x", s).Scan(&back, &serverMD5); err != nil {
 		t.Fatal(err)
 	}
 	if serverMD5 != hex.EncodeToString(sum[:]) {
@@ -668,7 +668,7 @@ func testLargeRow(t *testing.T, e tenv) {
 	var row []byte
 	var serverMD5 string
 	// 1600 numbered blocks of 64 KiB, each different: 100 MiB.
-	err := conn.QueryRow(ctxT(t), `SELECT s, md5(s) FROM (
+	err := conn.QueryRow(ctxLong(t), `SELECT s, md5(s) FROM (
 		SELECT string_agg(lpad(to_hex(g), 8, '0') || substr(repeat(md5(g::text), 2048), 1, 65528), '' ORDER BY g) AS s
 		FROM generate_series(1, $1::int) g) x`, hundredMB>>16).Scan(&row, &serverMD5)
 	if err != nil {
