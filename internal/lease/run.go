@@ -333,10 +333,11 @@ func childEnv(cfg *RunConfig, lock Lease) ([]string, error) {
 		EnvKey:      lock.Key(),
 	}
 	if cfg.DatabaseURL != "" {
-		// fence.session is Consul's sequencer check in the proxy; the PostgreSQL lease's
-		// token is checked by the database itself (fence.bind), which needs no holder.
+		// fence.session names the lock's holder (Consul's session, etcd's lease, ZooKeeper's
+		// session), which the proxy checks against the store's; the PostgreSQL lease's token is
+		// checked by the database itself (fence.bind), which needs no holder.
 		session := ""
-		if lock.Store() == StoreConsul {
+		if lock.Store() != StorePostgres {
 			session = lock.Holder()
 		}
 		u, err := FencedURL(cfg.DatabaseURL, cfg.Resource, lock.Token(), session)

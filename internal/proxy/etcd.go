@@ -247,6 +247,8 @@ func (g *EtcdGuard) AdmitHolder(ctx context.Context, c fence.Credentials) (strin
 		noHolderHint: "Campaign again and use the new leader key's CreateRevision.",
 		current:      "the CreateRevision %d of etcd's current leader key",
 		currentHint:  "Use the leader key's CreateRevision (concurrency.Election.Rev()) that this process won the election with.",
+		holder:       l.holder,
+		holderKind:   "etcd lease",
 	}); err != nil {
 		return "", err
 	}
@@ -260,10 +262,18 @@ type holderWords struct {
 	noHolderHint string
 	current      string // the holder's token, a format with one %d
 	currentHint  string // what the holder's token is (ZF002's hint)
+	holder       string // the current holder's ID, which fence.session must name
+	holderKind   string // what that ID is, in messages ("etcd lease", "ZooKeeper session")
 }
 
 // admitHolder is a guard's answer to c given the store's current holder's token (0: the
 // lock is not held) or why it could not be read.
+//
+// One token, one holder, also when nothing recorded the first one: the session must name
+// the holder (fence.session), and only the current holder is admitted. A store that lost
+// its data (a wipe, a restore) can issue a number again to another holder while no proxy
+// watches; the stale holder of the first issue presents the same token, and without its
+// holder's ID the proxy cannot tell the two apart (a review had both commit, 6 runs of 6).
 func admitHolder(c fence.Credentials, current int64, err error, w holderWords) error {
 	switch {
 	case err != nil:
@@ -279,6 +289,14 @@ func admitHolder(c fence.Credentials, current int64, err error, w holderWords) e
 		fe := fence.NotIssued(c.Resource, c.Token, current)
 		fe.Message = fmt.Sprintf("fencing token not issued: resource %q token %d is higher than "+w.current, c.Resource, c.Token, current)
 		fe.Hint = w.currentHint
+		return fe
+	case c.Session == "":
+		return &fence.Error{Code: fence.CodeMissing, Resource: c.Resource, Token: c.Token,
+			Message: fmt.Sprintf("fencing session missing: resource %q is validated by %s, and a session must name its lock's holder: set fence.session to the %s ID (hex) this process holds the lock with", c.Resource, w.store, w.holderKind),
+			Hint:    "fenceproxy lock puts it in DATABASE_URL and FENCE_SESSION; see the README's token table."}
+	case !strings.EqualFold(c.Session, w.holder):
+		fe := fence.HolderMismatch(c.Resource, c.Session, w.holder)
+		fe.Message = fmt.Sprintf("fencing session mismatch: resource %q token %d is held by %s %s, not %s", c.Resource, c.Token, w.holderKind, w.holder, c.Session)
 		return fe
 	}
 	return nil

@@ -680,7 +680,14 @@ func (sess *session) bound(ctx context.Context, row [][]byte, serverErr *pgproto
 			return &fatal{resp: &pgproto3.ErrorResponse{Severity: wire.SeverityFatal, Code: serverErr.Code,
 				Message: serverErr.Message, Detail: serverErr.Detail, Hint: serverErr.Hint}}
 		}
-		return fatalf(fence.CodeUnavailable, "fenceproxy could not bind the session to fencing token %d of resource %q: %s (SQLSTATE %s); is the fence schema at version 4 in this database (fenceproxy migrate) and may this role execute fence.bind?",
+		switch serverErr.Code {
+		case "42883", "3F000", "42P01", "42501": // undefined function, schema or table; no privilege
+			return fatalf(fence.CodeUnavailable, "fenceproxy could not bind the session to fencing token %d of resource %q: %s (SQLSTATE %s); is the fence schema at version 4 in this database (fenceproxy migrate) and may this role execute fence.bind?",
+				c.Token, c.Resource, serverErr.Message, serverErr.Code)
+		}
+		// Another cause (e.g. 08P01 in a replication connection, which takes no extended
+		// query): the server's own words.
+		return fatalf(fence.CodeUnavailable, "fenceproxy could not bind the session to fencing token %d of resource %q: %s (SQLSTATE %s)",
 			c.Token, c.Resource, serverErr.Message, serverErr.Code)
 	}
 	stored := int64(-1)

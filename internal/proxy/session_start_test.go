@@ -13,6 +13,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgproto3"
 
+	"github.com/fenceproxy/fenceproxy/internal/fence"
 	"github.com/fenceproxy/fenceproxy/internal/testenv"
 	"github.com/fenceproxy/fenceproxy/internal/wire"
 )
@@ -288,4 +289,18 @@ func testCancelRequestRaw(t *testing.T, s *suite) {
 		t.Fatalf("want 57014, got %s", all)
 	}
 	t.Logf("cancelled %v after the CancelRequest", time.Since(start))
+}
+
+// TestReplicationConnectionBindRefusal: a fenced session asking for a replication connection
+// (replication=database) cannot be bound (a walsender takes no extended query); it is
+// refused with ZF007 in the server's words, not with a hint about the fence schema or
+// fence.bind's privilege, which a review found misleading.
+func TestReplicationConnectionBindRefusal(t *testing.T) {
+	pg, _ := fencedDB(t)
+	p := fencedProxy(t, pg)
+	err := connectErr(p.FenceURL(testenv.AdminUser, "postgres", "billing", 1, "replication=database"))
+	wantCode(t, err, fence.CodeUnavailable)
+	if msg := err.Error(); strings.Contains(msg, "fenceproxy migrate") || !strings.Contains(msg, "replication") {
+		t.Errorf("refusal %q: want the server's words (replication connection), without the schema hint", msg)
+	}
 }

@@ -322,6 +322,8 @@ func (g *ZooKeeperGuard) AdmitHolder(ctx context.Context, c fence.Credentials) (
 		noHolderHint: "Take the lock again and use the new lock node's czxid.",
 		current:      "the czxid %d of ZooKeeper's current lock node",
 		currentHint:  "Use the czxid of the lock node this process holds the lock with (its Stat after creating it).",
+		holder:       fmt.Sprintf("%x", h.owner),
+		holderKind:   "ZooKeeper session",
 	}); err != nil {
 		return "", err
 	}

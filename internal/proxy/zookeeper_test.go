@@ -45,7 +45,15 @@ func TestZooKeeperGuard(t *testing.T) {
 	go func() { g.Run(ctx); close(done) }() //nolint:errcheck
 	t.Cleanup(func() { cancel(); <-done })
 	px := testenv.StartProxy(t, pg, cfg, testenv.ProxyOptions{Admitter: g, Registry: reg})
-	url := func(res string, tok int64) string { return px.FenceURL("app", "postgres", res, tok) }
+	// Each token's session names its holder's ZooKeeper session (fence.session), as
+	// fenceproxy lock passes it; a token no holder has has none.
+	holders := map[int64]string{}
+	url := func(res string, tok int64) string {
+		if h, ok := holders[tok]; ok {
+			return px.FenceURL("app", "postgres", res, tok, "fence.session="+h)
+		}
+		return px.FenceURL("app", "postgres", res, tok)
+	}
 	lock := func(holder, res string) lease.Lease {
 		t.Helper()
 		s := &lease.ZooKeeperStore{Servers: []string{z.Addr}, TTL: 5 * time.Second, Holder: holder}
@@ -53,6 +61,7 @@ func TestZooKeeperGuard(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		holders[l.Token()] = l.Holder()
 		t.Cleanup(func() {
 			rctx, rcancel := context.WithTimeout(context.Background(), 5*time.Second)
 			defer rcancel()
@@ -96,6 +105,16 @@ func TestZooKeeperGuard(t *testing.T) {
 	conn := connect(t, url("billing", a.Token()))
 	mustExec(t, conn, "INSERT INTO items (tag, token) VALUES ('a', $1)", a.Token())
 	wantCode(t, connectErr(url("billing", a.Token()+1)), fence.CodeNotIssued)
+	// The session must name the holder's ZooKeeper session: one that names another, or
+	// none, is refused (a ZooKeeper that lost its data can issue the czxid again to another
+	// holder while no proxy watches: TestEtcdGuardSameTokenUnrecorded for etcd).
+	wantCode(t, connectErr(px.FenceURL("app", "postgres", "billing", a.Token())), fence.CodeMissing)
+	err = connectErr(px.FenceURL("app", "postgres", "billing", a.Token(), "fence.session=1234abcd"))
+	wantCode(t, err, fence.CodeHolderMismatch)
+	if !strings.Contains(err.Error(), "ZooKeeper session "+a.Holder()) {
+		t.Errorf("refusal does not name the holder's session %s: %v", a.Holder(), err)
+	}
+	connect(t, px.FenceURL("app", "postgres", "billing", a.Token(), "fence.session="+strings.ToUpper(a.Holder()))).Close(ctxT(t))
 
 	// A new holder: its token is raised before it connects, which ends a's session.
 	if err := a.Release(ctxT(t)); err != nil {
