@@ -148,18 +148,7 @@ func TestEtcdGuardOneHolderPerToken(t *testing.T) {
 
 	// etcd back to the backup, then written until the next key's revision is a's token.
 	etcd.Restore(t, backup)
-	for {
-		resp, err := cli.Get(ctxT(t), "unrelated")
-		if err != nil {
-			t.Fatal(err)
-		}
-		if resp.Header.Revision >= a.Token()-1 {
-			break
-		}
-		if _, err := cli.Put(ctxT(t), "unrelated", "x"); err != nil {
-			t.Fatal(err)
-		}
-	}
+	etcdClimb(t, cli, a.Token()-1)
 	b := campaign("b")
 	if b.Token() != a.Token() {
 		t.Fatalf("the new leader's key has revision %d, want a's %d (the test could not make etcd repeat it)", b.Token(), a.Token())
@@ -203,18 +192,7 @@ func TestEtcdGuardSameTokenUnrecorded(t *testing.T) {
 	}
 	a := etcdCampaign(t, cli, "a") // wins, and freezes before it connects: nothing recorded
 	etcd.Restore(t, backup)
-	for {
-		resp, err := cli.Get(ctxT(t), "unrelated")
-		if err != nil {
-			t.Fatal(err)
-		}
-		if resp.Header.Revision >= a.Token()-1 {
-			break
-		}
-		if _, err := cli.Put(ctxT(t), "unrelated", "x"); err != nil {
-			t.Fatal(err)
-		}
-	}
+	etcdClimb(t, cli, a.Token()-1)
 	b := etcdCampaign(t, cli, "b")
 	if b.Token() != a.Token() || b.Holder() == a.Holder() {
 		t.Fatalf("the new leader has revision %d and lease %s, want a's revision %d under another lease than %s (the test could not make etcd repeat it)",
@@ -235,6 +213,24 @@ func TestEtcdGuardSameTokenUnrecorded(t *testing.T) {
 	mustExec(t, bc, "INSERT INTO items (tag, token) VALUES ('b again', $1)", b.Token())
 	if n := count(t, admin, "SELECT count(*)::int FROM items WHERE tag LIKE 'a%'"); n != 0 {
 		t.Errorf("%d rows of the first holder, want 0", n)
+	}
+}
+
+// etcdClimb writes an unrelated key until etcd's revision is at least rev: after a restore,
+// the next key then gets rev+1, a revision issued before.
+func etcdClimb(t *testing.T, cli *clientv3.Client, rev int64) {
+	t.Helper()
+	for {
+		resp, err := cli.Get(ctxT(t), "unrelated")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if resp.Header.Revision >= rev {
+			return
+		}
+		if _, err := cli.Put(ctxT(t), "unrelated", "x"); err != nil {
+			t.Fatal(err)
+		}
 	}
 }
 
