@@ -9,7 +9,7 @@
 --   fence.record_raise   (replaced) version 8's; the history's holder of a token admitted on a
 --                        lock service's word through fence.holder_words (etcd's leases were
 --                        recorded as "consul session etcd lease <id>").
---   fence.lease_acquire  (replaced) version 8's; refuses (ZF007) to take a lease when no higher
+--   fence.lease_acquire  (replaced) version 8's; refuses (ZF004) to take a lease when no higher
 --                        generation exists (the stored token or generation is the largest
 --                        bigint), where it failed with a bare "bigint out of range".
 --
@@ -21,7 +21,8 @@
 --       every comparison of versions 7 and 8 (C1-C5) reads the same rows as before.
 --  (L9) A lease generation is a bigint above the stored token and every earlier generation
 --       (L2, L3): when either is 9223372036854775807 there is none, and fence.lease_acquire
---       refuses before its UPDATE rather than overflow inside it. The operator's way out is
+--       refuses (ZF004, as L8: a refusal retrying cannot change, so fenceproxy lock stops with
+--       it) before its UPDATE rather than overflow inside it. The operator's way out is
 --       fence.reset to a lower token, with every holder stopped.
 
 -- +goose Up
@@ -159,8 +160,8 @@ BEGIN
     IF GREATEST((SELECT l.generation FROM fence.leases AS l WHERE l.resource = p_resource),
                 (SELECT t.token FROM fence.tokens AS t WHERE t.resource = p_resource)) = 9223372036854775807 THEN
         RAISE EXCEPTION USING
-            ERRCODE = 'ZF007',
-            MESSAGE = format('fencing unavailable: lease of resource "%s" not acquired: its token or generation is 9223372036854775807, the largest a token can be, so no higher generation exists',
+            ERRCODE = 'ZF004',
+            MESSAGE = format('fencing lease refused: resource "%s" has token or generation 9223372036854775807, the largest a token can be, so no higher generation exists',
                              p_resource),
             HINT = 'Stop every holder of the resource, then lower its token with fenceproxy fence reset --force.';
     END IF;

@@ -249,6 +249,17 @@ func TestPostgresLease(t *testing.T) {
 		if _, err := store("a", 500*time.Millisecond).Campaign(ctx, "short"); !errors.Is(err, lease.ErrRefused) {
 			t.Errorf("Campaign with a TTL below 1 s: %v, want ErrRefused", err)
 		}
+		// (L9) A resource whose stored token is the largest bigint has no higher generation:
+		// a review's client stored it, and the store retried a bare "bigint out of range".
+		connMu.Lock()
+		_, err := conn.Exec(ctx, "SELECT fence.reset('maxed', 9223372036854775807)")
+		connMu.Unlock()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := store("b", time.Second).Campaign(ctx, "maxed"); !errors.Is(err, lease.ErrRefused) || !strings.Contains(err.Error(), "no higher generation") {
+			t.Errorf("Campaign at the largest token: %v, want ErrRefused saying no higher generation exists", err)
+		}
 	})
 
 	t.Run("a URL through fenceproxy is refused at once", func(t *testing.T) {

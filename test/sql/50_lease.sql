@@ -169,8 +169,8 @@ SELECT is(pg_temp.alive(:s_pid), false, '... and the session bound to generation
 SELECT is(pg_temp.remote('adm', $$SELECT coalesce(fence.reset('tap-lease-max', 9223372036854775807)::text, 'none')$$)::text, 'none',
     'the operator stores the largest token for a resource');
 SELECT is((pg_temp.error_of(format('SELECT * FROM dblink(%L, %L) AS t(r text)', 'a',
-    $$SELECT acquired::text FROM fence.lease_acquire('tap-lease-max', 'h1', '10 s')$$)))[1], 'ZF007',
-    'fence.lease_acquire above it: ZF007 (no higher generation exists), not 22003');
+    $$SELECT acquired::text FROM fence.lease_acquire('tap-lease-max', 'h1', '10 s')$$)))[1], 'ZF004',
+    'fence.lease_acquire above it: ZF004 (no higher generation exists), not 22003');
 SELECT is((SELECT count(*) FROM fence.leases WHERE resource = 'tap-lease-max' AND holder IS NOT NULL), 0::bigint,
     '... and no lease is held');
 
