@@ -155,7 +155,7 @@ type FenceResetCmd struct {
 	Database string `help:"Database URL of a role allowed to execute fence.reset (directly to PostgreSQL)." required:""`
 	Resource string `help:"Resource name." required:""`
 	Token    int64  `help:"The token to store, 1 or more (normally the lock's current LockIndex in Consul)." required:""`
-	Force    bool   `help:"Store a token below the resource's PostgreSQL lease generation (holders of the generations in between may then bind again)."`
+	Force    bool   `help:"Store a token below the resource's PostgreSQL lease generation (holders of the generations in between may then bind again), or below the token of live bound sessions (they go on)."`
 }
 
 // Run resets the token.
@@ -179,6 +179,19 @@ func (f *FenceResetCmd) Run(ctx context.Context, log *zap.Logger) error {
 	if f.Token < generation && !f.Force {
 		return fmt.Errorf("fence reset --token %d: resource %q is led by the PostgreSQL lease, at generation %d; a lower token would let the holders of generations %d to %d bind again (--force to do it anyway)",
 			f.Token, f.Resource, generation, f.Token, generation-1)
+	}
+	// Live sessions bound to a higher token go on after a lowering reset (nothing ends them),
+	// next to the holders of the lower tokens it admits again: a review had both commit.
+	var live, highest int64
+	err = conn.QueryRow(ctx, `SELECT count(*), coalesce(max(b.token), 0) FROM fence.bindings AS b
+		JOIN pg_stat_get_activity(NULL) AS a ON a.pid = b.pid AND a.backend_start = b.backend_start
+		WHERE b.resource = $1 AND b.token > $2`, f.Resource, f.Token).Scan(&live, &highest)
+	if err != nil {
+		return fmt.Errorf("read the sessions bound to %q: %w", f.Resource, err)
+	}
+	if live > 0 && !f.Force {
+		return fmt.Errorf("fence reset --token %d: %d live session(s) of resource %q are bound to tokens above it (up to %d) and would go on writing next to the holders of the lower tokens the reset admits again; stop their holders first (fenceproxy fence show lists them), or --force",
+			f.Token, live, f.Resource, highest)
 	}
 	if _, err := conn.Exec(ctx, "SELECT fence.reset($1, $2)", f.Resource, f.Token); err != nil {
 		return fmt.Errorf("fence.reset: %w", err)

@@ -446,8 +446,33 @@ func TestFenceCommands(t *testing.T) {
 	if !hasLine(out, "billing", "9") || hasLine(out, "billing", "5", "1") {
 		t.Fatalf("fence show after the reset:\n%s", out)
 	}
-	// Lowering is allowed (the way out of a LockIndex regression).
-	run("reset", "--database", pg.AdminURL(), "--resource", "billing", "--token", "1")
+	// Lowering below a live session's token is refused without --force: it would go on next
+	// to the holders of the lower tokens the reset admits again (a review had both commit).
+	bound9 := testenv.Connect(t, pg.AdminURL())
+	c9, err := testenv.Key.BindCall("postgres", "billing", 9, bound9.PgConn().PID())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := bound9.Exec(t.Context(), fence.BindQuery, c9.Resource, c9.Token, c9.Proof); err != nil {
+		t.Fatalf("bind to 9: %v", err)
+	}
+	if out, err := exec.Command(bin, "fence", "reset", "--database", pg.AdminURL(), "--resource", "billing", "--token", "1").CombinedOutput(); err == nil ||
+		!strings.Contains(string(out), "1 live session(s) of resource \"billing\" are bound to tokens above it (up to 9)") {
+		t.Fatalf("fence reset below a live session: %v\n%s", err, out)
+	}
+	bound9.Close(t.Context())
+	// Lowering is allowed once they are gone (the way out of a LockIndex regression).
+	eventually := time.Now().Add(10 * time.Second)
+	for {
+		out, err := exec.Command(bin, "fence", "reset", "--database", pg.AdminURL(), "--resource", "billing", "--token", "1").CombinedOutput()
+		if err == nil {
+			break
+		}
+		if time.Now().After(eventually) {
+			t.Fatalf("fence reset after the session ended: %v\n%s", err, out)
+		}
+		time.Sleep(50 * time.Millisecond) // the backend exits after the client's Terminate
+	}
 	if out := run("show", "--database", pg.AdminURL()); !hasLine(out, "billing", "1") {
 		t.Fatalf("fence show after lowering:\n%s", out)
 	}
