@@ -175,6 +175,12 @@ func TestServeAdminAndReload(t *testing.T) {
 	if err := json.Unmarshal([]byte(body), &hist); code != 200 || err != nil || len(hist) != 1 || hist[0].Token != 3 || hist[0].Resource != "billing" {
 		t.Errorf("/history: %d %v\n%s", code, err, body)
 	}
+	// Bad parameters are the client's error: 400, not a database error's 503.
+	for _, q := range []string{"resource=%00", "resource=Bad", "limit=abc", "limit=0", "limit=-1"} {
+		if code, body := get("/history?" + q); code != 400 || !strings.Contains(body, "error") {
+			t.Errorf("/history?%s: %d\n%s, want 400", q, code, body)
+		}
+	}
 
 	// SIGHUP: a new resource from the file; the open session goes on.
 	if _, err := pgx.Connect(ctx, url+"&fence.resource=ledger&fence.token=1"); err == nil {

@@ -128,13 +128,27 @@ func (s *Server) AdminMux(metrics http.Handler) *http.ServeMux {
 			writeJSON(w, http.StatusNotFound, map[string]string{"error": "no history: the proxy has no --control-database to read fence.history from"})
 			return
 		}
-		limit, err := strconv.Atoi(r.URL.Query().Get("limit"))
-		if err != nil || limit <= 0 {
-			limit = 100
+		// Bad parameters are the client's error (400), never passed on to the database (a
+		// review's resource=%00 came back as a 503 with the server's encoding error).
+		limit := 100
+		if v := r.URL.Query().Get("limit"); v != "" {
+			n, err := strconv.Atoi(v)
+			if err != nil || n <= 0 {
+				writeJSON(w, http.StatusBadRequest, map[string]string{"error": fmt.Sprintf("limit %q: want a positive integer (at most 1000 are returned)", v)})
+				return
+			}
+			limit = n
+		}
+		resource := r.URL.Query().Get("resource")
+		if resource != "" {
+			if !fence.ValidResource(resource) {
+				writeJSON(w, http.StatusBadRequest, map[string]string{"error": fmt.Sprintf("resource %q: not a resource name (a lowercase letter, then up to 62 of a-z 0-9 _ . -)", resource)})
+				return
+			}
 		}
 		ctx, cancel := context.WithTimeout(r.Context(), 5*time.Second)
 		defer cancel()
-		h, err := fence.ReadHistory(ctx, s.control, r.URL.Query().Get("resource"), min(limit, 1000))
+		h, err := fence.ReadHistory(ctx, s.control, resource, min(limit, 1000))
 		if err != nil {
 			writeJSON(w, http.StatusServiceUnavailable, map[string]string{"error": err.Error()})
 			return
