@@ -104,6 +104,8 @@ type Config struct {
 	// LockIndex, the default) or create-lock (CreateIndex×2^24+LockIndex, which stays
 	// monotonic when the key is deleted and re-created; see lease.EncodeToken).
 	ConsulTokenMode string `help:"Which number of the Consul lock key is the token: lockindex (its LockIndex; the key must never be deleted) or create-lock (CreateIndex*2^24+LockIndex: keeps growing when the key is deleted and re-created, as consul lock and api.Lock's Destroy do)." name:"consul-token-mode" default:"lockindex" enum:"lockindex,create-lock"`
+	// ConsulRequireSession refuses Consul-validated sessions without fence.session (ZF003).
+	ConsulRequireSession bool `help:"Refuse (ZF003) sessions of Consul-validated resources without fence.session: without the holder's session the proxy cannot tell two holders of one token apart when Consul issued it twice (lost its data) while no proxy watched." name:"consul-require-session"`
 	// etcd configures token validation against etcd elections (EtcdGuard).
 	EtcdEndpoints []string `help:"etcd client URLs (comma-separated), for --etcd-resource." name:"etcd-endpoints" sep:","`
 	EtcdResources []string `help:"Resource validated against an etcd election, NAME=PREFIX (repeatable; NAME is also a --resource)." name:"etcd-resource" sep:","`

@@ -75,11 +75,13 @@ type Guard struct {
 	keys     map[string]string // resource -> key
 	byKey    map[string]string // key -> resource
 	downMode string
-	pool     *pgxpool.Pool // control database for proactive raises (nil: none)
-	control  string        // its URL, for the LISTEN of fence resets
-	key      fence.Key     // the proxy key, for the raise's proof
-	metrics  *guardMetrics
-	mode     lease.TokenMode // which number of a key is the token
+	// requireSession refuses sessions without fence.session (--consul-require-session).
+	requireSession bool
+	pool           *pgxpool.Pool // control database for proactive raises (nil: none)
+	control        string        // its URL, for the LISTEN of fence resets
+	key            fence.Key     // the proxy key, for the raise's proof
+	metrics        *guardMetrics
+	mode           lease.TokenMode // which number of a key is the token
 
 	raiseMu sync.Mutex // one raise at a time per Guard: they go in the order of the hand-overs
 
@@ -160,7 +162,7 @@ func NewGuard(ctx context.Context, cfg Config, opts GuardOptions) (*Guard, error
 	if err != nil {
 		return nil, err
 	}
-	g := &Guard{reg: opts.Registry, log: opts.Logger, keys: map[string]string{}, byKey: map[string]string{}, downMode: s.ConsulDownMode, key: s.Key,
+	g := &Guard{reg: opts.Registry, log: opts.Logger, keys: map[string]string{}, byKey: map[string]string{}, downMode: s.ConsulDownMode, requireSession: s.ConsulRequireSession, key: s.Key,
 		reported: map[string]*lease.RegressionError{}}
 	if g.log == nil {
 		g.log = zap.NewNop()
@@ -309,6 +311,11 @@ func (g *Guard) AdmitHolder(ctx context.Context, c fence.Credentials) (string, e
 	key, ok := g.keys[c.Resource]
 	if !ok {
 		return "", nil // a resource without a Consul key is ordered by the database alone
+	}
+	if g.requireSession && c.Session == "" {
+		return "", &fence.Error{Code: fence.CodeMissing, Resource: c.Resource, Token: c.Token,
+			Message: fmt.Sprintf("fencing session missing: resource %q is validated by Consul and this proxy requires fence.session (--consul-require-session): set it to the Consul session ID that holds the lock", c.Resource),
+			Hint:    "fenceproxy lock puts it in DATABASE_URL and FENCE_SESSION; see the README's token table."}
 	}
 	st, err := g.watcher.Validate(ctx, key, c.Token, c.Session)
 	if err == nil {

@@ -88,6 +88,14 @@ func startConsulProxy(t *testing.T, mod ...func(*proxy.Config)) *consulSetup {
 	go func() { g.Run(ctx); close(done) }() //nolint:errcheck
 	t.Cleanup(func() { cancel(); <-done })
 	s.proxy = testenv.StartProxy(t, s.pg, cfg, testenv.ProxyOptions{Admitter: g, Registry: reg})
+	// Ready: the watch has synchronised with Consul (until then every token is ZF007, which
+	// a test that connects at once took for a failure under load).
+	eventually(t, "the proxy ready", func() error {
+		if why := s.proxy.Server.NotReady(ctxT(t)); len(why) > 0 {
+			return fmt.Errorf("not ready: %v", why)
+		}
+		return nil
+	})
 	return s
 }
 
@@ -160,6 +168,22 @@ func TestConsulAdmission(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// TestConsulRequireSession: with --consul-require-session a session without fence.session
+// is refused (ZF003): without the holder's session the proxy cannot tell two holders of one
+// LockIndex apart when Consul issued it twice while no proxy watched (a review had both
+// commit). With the holder's session it is admitted, with another one refused (ZF009).
+func TestConsulRequireSession(t *testing.T) {
+	s := startConsulProxy(t, func(c *proxy.Config) { c.ConsulRequireSession = true })
+	id, tok := consulLock(t, s.client, "locks/billing")
+	eventually(t, "the holder admitted", func() error { return connectErr(s.url(tok, "fence.session="+id)) })
+	err := connectErr(s.url(tok))
+	wantCode(t, err, fence.CodeMissing)
+	if !strings.Contains(err.Error(), "consul-require-session") {
+		t.Errorf("refusal does not name the setting: %v", err)
+	}
+	wantCode(t, connectErr(s.url(tok, "fence.session=00000000-0000-0000-0000-000000000000")), fence.CodeHolderMismatch)
 }
 
 // TestConsulHolderName: the status and fenceproxy_leader_info show the holder's Consul

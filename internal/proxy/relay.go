@@ -88,7 +88,12 @@ func (sess *session) relay(ctx context.Context) error {
 	go func() { errc <- sess.clientToServer() }()
 	go func() { errc <- sess.serverToClient() }()
 	err := <-errc
-	if sess.mode == modeFenced && errors.Is(err, errServerGone) && !sess.ended.Load() {
+	both := false
+	var done *clientDone
+	if errors.As(err, &done) && !sess.ended.Load() && sess.lingerResp.Load() == nil {
+		sess.finishServer(done, errc)
+		both = true
+	} else if sess.mode == modeFenced && errors.Is(err, errServerGone) && !sess.ended.Load() {
 		// The server ended it, not the proxy (whose ends set ended first).
 		sess.explainServerEnd()
 	}
@@ -101,7 +106,9 @@ func (sess *session) relay(ctx context.Context) error {
 		sess.pendingTimer.Stop()
 	}
 	sess.mu.Unlock()
-	<-errc
+	if !both {
+		<-errc
+	}
 	if sess.draining.Load() {
 		// clientToServer has read the client's message (or its end, or the
 		// linger ran out); what it sent after that is read and dropped before
@@ -111,6 +118,100 @@ func (sess *session) relay(ctx context.Context) error {
 	sess.client.Close()
 	return err
 }
+
+// clientDone is clientToServer's end when the client sent its last message whole: a
+// Terminate, a half-close (EOF at a message boundary), or a message the proxy refuses (resp:
+// too large, malformed), which is not forwarded.
+type clientDone struct {
+	terminated bool
+	refused    string // the SQLSTATE of the proxy's FATAL for a refused message ("": none)
+	why        error  // why it was refused
+}
+
+func (d *clientDone) Error() string {
+	if d.why != nil {
+		return d.why.Error()
+	}
+	return io.EOF.Error()
+}
+
+func (d *clientDone) Unwrap() error {
+	if d.why != nil {
+		return d.why
+	}
+	return io.EOF
+}
+
+// finishServer runs when the client has sent its last message (done): the server still
+// answers everything forwarded before it, as PostgreSQL answers a direct client that sent a
+// query and then Terminate, or shut down its side of the connection; and the proxy's error
+// for a message it refuses comes after the answers to the units before it, as PostgreSQL's
+// own would. A review saw a query followed by Terminate (or a half-close) commit with no
+// answer, and a too-large message's FATAL arrive before the answer of a COMMIT in flight.
+//
+// Terminate or half-close: unless the client's Terminate was forwarded, the proxy shuts down
+// its side of the server connection, as the client did: the server answers what it read,
+// then ends the backend at the end of its input, rolling back an open transaction;
+// serverToClient relays what it still sends until it closes.
+//
+// A refused message: the units sent before it get their answers if they come within
+// refuseWait (the proxy waits for their ReadyForQuery); then the server connection closes
+// (a transaction still open rolls back), nothing it sends after that is relayed, and the
+// client gets the error last. A COPY waiting for its data ends that way too. The refused
+// message's rest is read and dropped meanwhile, so that a client still writing it does not
+// block. A backend the server ends meanwhile (a raise) is explained as in any other session.
+func (sess *session) finishServer(done *clientDone, errc <-chan error) {
+	var err error
+	drained := make(chan struct{})
+	switch {
+	case done.refused != "":
+		go func() { sess.drainClient(); close(drained) }()
+		deadline := time.NewTimer(refuseWait)
+		defer deadline.Stop()
+		tick := time.NewTicker(5 * time.Millisecond)
+		defer tick.Stop()
+	wait:
+		for sess.busy() {
+			select {
+			case err = <-errc:
+				break wait
+			case <-deadline.C:
+				break wait
+			case <-tick.C:
+			}
+		}
+		if err == nil {
+			sess.server.Close() // serverToClient relays nothing more
+			err = <-errc
+		}
+	case !done.terminated:
+		// clientToServer has returned: the server connection's write side is free.
+		if cw, ok := sess.server.(interface{ CloseWrite() error }); ok {
+			cw.CloseWrite() //nolint:errcheck // the server may be gone already
+		} else if err := wire.WriteMessage(sess.sw, 'X', nil); err == nil {
+			sess.sw.Flush() //nolint:errcheck
+		}
+		err = <-errc
+	default:
+		err = <-errc
+	}
+	if sess.mode == modeFenced && errors.Is(err, errServerGone) && !sess.ended.Load() && sess.serverFatal.Load() != nil {
+		sess.explainServerEnd()
+	}
+	if done.refused != "" {
+		if !sess.ended.Load() {
+			sess.fatalToClient(done.refused, done.why.Error())
+		}
+		// The connection closes once the rest of the refused message is read, not before:
+		// a close with unread data resets it, and the client, still writing, would see
+		// "connection reset" instead of the error.
+		<-drained
+	}
+}
+
+// refuseWait bounds how long a session whose client sent a message the proxy refuses waits
+// for the answers to the units sent before it (finishServer).
+const refuseWait = 2 * time.Second
 
 // end tells the client why the session ends (resp; nil: nothing to say),
 // closes the server connection, which ends the backend and rolls back any open
@@ -556,6 +657,9 @@ func (sess *session) clientToServer() error {
 			return fmt.Errorf("%w: %w", errServerGone, err)
 		}
 		typ, _, err := sess.cr.Next()
+		if err == io.EOF { // exactly: at a message boundary, a half-close or a close
+			return &clientDone{}
+		}
 		if err != nil {
 			return sess.clientReadError(err)
 		}
@@ -593,7 +697,7 @@ func (sess *session) clientToServer() error {
 		}
 		if typ == 'X' {
 			sess.sw.Flush() //nolint:errcheck
-			return io.EOF
+			return &clientDone{terminated: true}
 		}
 	}
 }
@@ -605,16 +709,20 @@ func (sess *session) flushServerIfIdle() error {
 	return nil
 }
 
-// clientReadError tells the client why its connection is being closed when
-// the problem is its own message (too large, malformed).
+// clientReadError is the end of the client's stream when reading its next message failed:
+// for a message of its own that the proxy refuses (too large, malformed), a clientDone
+// whose error finishServer sends after the answers to what came before; else err.
 func (sess *session) clientReadError(err error) error {
-	if errors.Is(err, wire.ErrMessageTooLarge) {
-		sess.fatalToClient(wire.CodeProgramLimitExceeded, err.Error())
-		sess.drainClient()
-	} else if errors.Is(err, wire.ErrMalformed) {
-		sess.fatalToClient(wire.CodeProtocolViolation, err.Error())
+	code := ""
+	switch {
+	case errors.Is(err, wire.ErrMessageTooLarge):
+		code = wire.CodeProgramLimitExceeded
+	case errors.Is(err, wire.ErrMalformed):
+		code = wire.CodeProtocolViolation
+	default:
+		return err
 	}
-	return err
+	return &clientDone{refused: code, why: err}
 }
 
 // drainClient drops what the client is still sending, for a moment, before
