@@ -120,8 +120,8 @@ func (sess *session) relay(ctx context.Context) error {
 }
 
 // clientDone is clientToServer's end when the client sent its last message whole: a
-// Terminate, a half-close (EOF at a message boundary), or a message the proxy refuses (resp:
-// too large, malformed), which is not forwarded.
+// Terminate, a half-close (EOF at a message boundary), or a message the proxy refuses (too
+// large, malformed: refused is the SQLSTATE of its FATAL), which is not forwarded.
 type clientDone struct {
 	terminated bool
 	refused    string // the SQLSTATE of the proxy's FATAL for a refused message ("": none)
