@@ -451,10 +451,14 @@ func (sess *session) askSettled() bool {
 	var err error
 	// Twice at most: an error that says the server is going away may be the
 	// pooled connection's alone (ended while idle, by an administrator or
-	// idle_session_timeout, and reported at its next use); pgx closes such a
-	// connection, so the second question goes on another one, and only its
-	// answer can say that the server itself is going away.
-	for range 2 {
+	// idle_session_timeout, and reported at its next use), and so may be every
+	// idle one's: the pool is emptied, so the second question goes on a new
+	// connection, and only its answer can say that the server itself is going
+	// away (CI saw two idle connections ended, and both asked).
+	for attempt := range 2 {
+		if attempt > 0 {
+			srv.control.Reset()
+		}
 		var stored int64
 		err = srv.control.AcquireFunc(ctx, func(c *pgxpool.Conn) error {
 			var err error
