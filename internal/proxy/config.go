@@ -52,6 +52,11 @@ type Config struct {
 	ConnectTimeout time.Duration `help:"Time allowed to connect to the server." default:"5s"`
 	// MaxClients is the most client connections at once (0: 1000).
 	MaxClients int `help:"Most client connections at once." default:"1000"`
+	// Relay is how started sessions are relayed: loop (default), by the event loop, a thread
+	// shared by every session whose connections are plain sockets (loop_linux.go), where
+	// the system has one and GOMAXPROCS is 2 or more; goroutines, by two goroutines a
+	// session.
+	Relay string `help:"How started sessions are relayed: loop (one event-loop thread for every session without TLS, where GOMAXPROCS is 2 or more) or goroutines (two a session)." default:"loop" enum:"loop,goroutines"`
 	// ShutdownGrace is how long sessions may finish after SIGTERM (0: 30 s).
 	ShutdownGrace time.Duration `help:"How long sessions may finish after SIGTERM before they are closed." default:"30s"`
 
@@ -182,6 +187,13 @@ func (c Config) validate() (*settings, error) {
 	}
 	if s.FlapWindow <= 0 {
 		s.FlapWindow = 10 * time.Minute
+	}
+	switch s.Relay {
+	case "":
+		s.Relay = "loop"
+	case "loop", "goroutines":
+	default:
+		return nil, fmt.Errorf("relay: %q is not loop or goroutines", s.Relay)
 	}
 	switch s.ConsulDownMode {
 	case "":

@@ -15,6 +15,9 @@ type Metrics struct {
 	// BindSeconds is the time of fenced sessions' binds (raises included:
 	// a bind that raises waits for the stale backends to exit), by outcome.
 	BindSeconds *prometheus.HistogramVec
+	// HandBacks counts the sessions the event loop gave back to the goroutine relay, by
+	// reason (loop_linux.go): end, message, full, recall.
+	HandBacks *prometheus.CounterVec
 }
 
 // NewMetrics creates the metrics and registers them with reg (if not nil).
@@ -29,9 +32,11 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		BindSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "fenceproxy_bind_seconds", Help: "Time to bind a fenced session to its token at startup (a bind that raises includes ending the stale backends), by outcome: bound, refused.",
 			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 14)}, []string{"outcome"}),
+		HandBacks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "fenceproxy_relay_handbacks_total", Help: "Sessions the event loop relayed and then gave to the goroutine relay, by reason: end (a connection ended or failed), message (one the loop leaves to it: Terminate, an error to look at, a refusal), full (a connection did not take what was read for it), recall (the proxy ended the session or shuts down)."}, []string{"reason"}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.Sessions, m.SessionsTotal, m.Rejections, m.BindSeconds)
+		reg.MustRegister(m.Sessions, m.SessionsTotal, m.Rejections, m.BindSeconds, m.HandBacks)
 	}
 	return m
 }
@@ -57,5 +62,11 @@ func (m *Metrics) bind(outcome string, d time.Duration) {
 func (m *Metrics) sessions(d float64) {
 	if m != nil {
 		m.Sessions.Add(d)
+	}
+}
+
+func (m *Metrics) handBack(reason string) {
+	if m != nil {
+		m.HandBacks.WithLabelValues(reason).Inc()
 	}
 }

@@ -84,6 +84,8 @@ func (sess *session) relay(ctx context.Context) error {
 	if sess.mode == modeFenced {
 		go sess.endWhenStale()
 	}
+	// The hot path (loop_linux.go): the goroutines below take over when the loop lets go.
+	sess.relayInLoop()
 	errc := make(chan error, 2)
 	go func() { errc <- sess.clientToServer() }()
 	go func() { errc <- sess.serverToClient() }()
@@ -217,6 +219,7 @@ const refuseWait = 2 * time.Second
 // closes the server connection, which ends the backend and rolls back any open
 // transaction, and then the client connection, once. Safe from any goroutine.
 func (sess *session) end(resp *pgproto3.ErrorResponse) {
+	sess.recall()
 	sess.endOnce.Do(func() {
 		sess.ended.Store(true)
 		close(sess.endedCh)
@@ -237,6 +240,7 @@ func (sess *session) end(resp *pgproto3.ErrorResponse) {
 // (answering: false) is told at once with a FATAL, which drivers that read
 // while idle (LISTEN) see, and its next unit gets the error again.
 func (sess *session) endFencing(fe *fence.Error, answering bool) {
+	sess.recall()
 	sess.endOnce.Do(func() {
 		sess.ended.Store(true)
 		close(sess.endedCh)
@@ -351,6 +355,7 @@ func (sess *session) busy() bool {
 func (sess *session) endWhenStale() {
 	select {
 	case <-sess.staleCh:
+		sess.recall()
 		sess.log.Info("ending stale session", zap.Int64("admitted", sess.admitted.Load()), zap.Bool("in_flight", sess.busy()))
 		sess.endWhenAnswered(sess.staleError(), false)
 	case <-sess.done:
@@ -493,6 +498,21 @@ func goingAway(err error) bool {
 // server -> client
 
 func (sess *session) serverToClient() error {
+	if sess.resume {
+		// The rest of a message the event loop relayed in part; rebuild took cwMu.
+		sess.resume = false
+		err := sess.sr.CopyRest(sess.cw)
+		if errors.Is(err, wire.ErrCut) {
+			sess.cut.Store(true)
+		}
+		sess.cwMu.Unlock()
+		if errors.Is(err, wire.ErrRead) {
+			return fmt.Errorf("%w: %w", errServerGone, err)
+		}
+		if err != nil {
+			return err
+		}
+	}
 	for {
 		if err := sess.flushClientIfIdle(); err != nil {
 			return err
@@ -656,6 +676,14 @@ func (sess *session) serverReadError(err error) error {
 
 func (sess *session) clientToServer() error {
 	fenced := sess.mode == modeFenced
+	if sess.cr.Pending() > 0 {
+		// The rest of a message the event loop relayed in part.
+		if err := sess.cr.CopyRest(sess.sw); errors.Is(err, wire.ErrRead) {
+			return err // the client's
+		} else if err != nil {
+			return fmt.Errorf("%w: %w", errServerGone, err)
+		}
+	}
 	for {
 		if err := sess.flushServerIfIdle(); err != nil {
 			return fmt.Errorf("%w: %w", errServerGone, err)
@@ -704,6 +732,14 @@ func (sess *session) clientToServer() error {
 			return &clientDone{terminated: true}
 		}
 	}
+}
+
+// flushBoth writes what the writers hold.
+func (sess *session) flushBoth() error {
+	sess.cwMu.Lock()
+	err := sess.cw.Flush()
+	sess.cwMu.Unlock()
+	return errors.Join(err, sess.sw.Flush())
 }
 
 func (sess *session) flushServerIfIdle() error {

@@ -26,6 +26,8 @@ import (
 
 const bufSize = 32 << 10
 
+func newWriter(c net.Conn) *bufio.Writer { return bufio.NewWriterSize(c, bufSize) }
+
 // session is one client and its upstream connection.
 //
 // Ownership: login fills the connections, cred, mode, database, pid and key
@@ -73,6 +75,13 @@ type session struct {
 	endedCh      chan struct{}                          // closed when end runs
 	lingerResp   atomic.Pointer[pgproto3.ErrorResponse] // endFencing's error, for answerEnded (staleLinger)
 	draining     atomic.Bool                            // relay drains the client connection before it closes it
+
+	// loop is the session's time in the event loop (loop_linux.go), nil if it had none;
+	// resume says that serverToClient starts with the rest of a message the loop relayed
+	// in part, holding cwMu.
+	loop      atomic.Pointer[loopSession]
+	loopState atomic.Int32
+	resume    bool
 
 	mu          sync.Mutex
 	status      byte // from the last ReadyForQuery relayed
@@ -328,9 +337,9 @@ func (sess *session) login(ctx context.Context, clients int64) error {
 		up.SetDeadline(dl) //nolint:errcheck
 	}
 	sess.cr = wire.NewReader(br, bufSize, s.cfg.MaxMessageSize)
-	sess.cw = bufio.NewWriterSize(sess.client, bufSize)
+	sess.cw = newWriter(sess.client)
 	sess.sr = wire.NewReader(up, bufSize, s.cfg.MaxMessageSize)
-	sess.sw = bufio.NewWriterSize(up, bufSize)
+	sess.sw = newWriter(up)
 	if _, err := up.Write(st.Encode(nil)); err != nil {
 		return fatalf(wire.CodeConnectionFailure, "fenceproxy lost the server during startup: %v", err)
 	}
@@ -763,6 +772,7 @@ func (sess *session) staleError() *fence.Error {
 // transactions, or at its next idle point.
 func (sess *session) shutdownWhenIdle() {
 	sess.shuttingDown.Store(true)
+	sess.recall()
 	if sess.ended.Load() {
 		sess.client.Close() // lingering after a fencing error: no need to wait now
 		return

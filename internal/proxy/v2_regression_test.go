@@ -14,6 +14,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -117,7 +118,25 @@ func v2Code(err error) string {
 // authentication): it returns at the first ReadyForQuery, or with the
 // ErrorResponse that refused the session (*v2ServerError).
 func v2Dial(addr string, params map[string]string) (*v2Session, error) {
-	conn, err := net.DialTimeout("tcp", addr, 5*time.Second)
+	return v2DialBuffer(addr, params, 0)
+}
+
+// v2DialBuffer is v2Dial with a receive buffer of rcvbuf bytes (0: the system's), set
+// before the connection is made, as a client with a small buffer has it: set afterwards,
+// below the window already advertised, Linux's sender can stall for seconds on loopback
+// (a window smaller than its segment size).
+func v2DialBuffer(addr string, params map[string]string, rcvbuf int) (*v2Session, error) {
+	d := net.Dialer{Timeout: 5 * time.Second}
+	if rcvbuf > 0 {
+		d.Control = func(_, _ string, c syscall.RawConn) error {
+			var serr error
+			if err := c.Control(func(fd uintptr) { serr = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, rcvbuf) }); err != nil {
+				return err
+			}
+			return serr
+		}
+	}
+	conn, err := d.Dial("tcp", addr)
 	if err != nil {
 		return nil, err
 	}

@@ -11,7 +11,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -768,16 +767,13 @@ func TestFrozenClientGetsEveryAnswerBeforeTheError(t *testing.T) {
 			if listening {
 				px = e.ah
 			}
-			s, err := v2Dial(v2Addr(px.Host, px.Port), v2Params("postgres", "frozen", tok))
+			// A small receive buffer: most of the result stays on the
+			// proxy's side of the client connection and before it.
+			s, err := v2DialBuffer(v2Addr(px.Host, px.Port), v2Params("postgres", "frozen", tok), 16<<10)
 			if err != nil {
 				t.Fatal(err)
 			}
 			defer s.Close()
-			// A small receive buffer: most of the result stays on the
-			// proxy's side of the client connection and before it.
-			if tc, ok := s.conn.(*net.TCPConn); ok {
-				tc.SetReadBuffer(16 << 10) //nolint:errcheck
-			}
 			s.hold()
 			tag := fmt.Sprintf("frozen-%t", listening)
 			if err := s.send(v2Q("SELECT repeat('x', 1000) FROM generate_series(1, 6000)"),

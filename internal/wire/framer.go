@@ -124,6 +124,14 @@ func (r *Reader) CopyBody(w *bufio.Writer) error {
 	if err := WriteHeader(w, r.typ, r.n); err != nil {
 		return err
 	}
+	return r.CopyRest(w)
+}
+
+// CopyRest streams what is left of the current message's body to w, without
+// its header (written already: by CopyBody, or, for a message whose start the
+// proxy's event loop relayed, before Resume). Its read errors wrap ErrRead and
+// ErrCut: part of the message is in w.
+func (r *Reader) CopyRest(w *bufio.Writer) error {
 	for r.pending > 0 {
 		chunk := r.pending
 		if b := r.br.Buffered(); b > 0 && b < chunk {
@@ -143,6 +151,35 @@ func (r *Reader) CopyBody(w *bufio.Writer) error {
 		r.pending -= len(b)
 	}
 	return nil
+}
+
+// Resume makes the reader continue inside a message whose first bytes went
+// elsewhere: rest bytes of it come next, for CopyRest.
+func (r *Reader) Resume(rest int) {
+	r.typ, r.n, r.pending = 0, -1, rest
+}
+
+// Pending is how many bytes of the current message are still to come.
+func (r *Reader) Pending() int { return r.pending }
+
+// TakeBuffered returns, and consumes, what the reader has read past the
+// current message (which it skips first, reading it if need be): the bytes
+// another reader of the same stream must see first.
+func (r *Reader) TakeBuffered() ([]byte, error) {
+	if r.pending > 0 {
+		if _, err := r.br.Discard(r.pending); err != nil {
+			return nil, err
+		}
+		r.pending = 0
+	}
+	n := r.br.Buffered()
+	if n == 0 {
+		return nil, nil
+	}
+	b, _ := r.br.Peek(n)
+	b = append([]byte(nil), b...)
+	r.br.Discard(n) //nolint:errcheck // buffered
+	return b, nil
 }
 
 // Buffered reports how many bytes can be read without blocking. The proxy
