@@ -77,7 +77,26 @@ var errEnded = errors.New("session ended by fenceproxy")
 func (sess *session) relay(ctx context.Context) error {
 	// ctx ends when the shutdown grace period is over: tell the client why.
 	stop := context.AfterFunc(ctx, func() {
-		sess.end(sess.shutdownError())
+		sess.recall()
+		resp := sess.shutdownError()
+		if sess.busy() && !sess.ended.Load() && sess.pid != 0 {
+			// Closing the server connection does not stop a running statement: a
+			// review's INSERT committed 6 s after its client was told the session
+			// was terminated. It is cancelled; its answer (57014, or its outcome if it
+			// completed first) reaches the client if it comes within cancelWait, and
+			// the session ends as an idle one does; else the client is told that the
+			// outcome is unknown.
+			sess.cancelBackend()
+			for wait := time.Now(); sess.busy() && time.Since(wait) < cancelWait; {
+				time.Sleep(10 * time.Millisecond)
+			}
+			if sess.busy() {
+				resp = &pgproto3.ErrorResponse{Severity: wire.SeverityFatal, Code: wire.CodeResolutionUnknown,
+					Message: "terminating connection because fenceproxy is shutting down: the statement in flight was cancelled, but may have completed first",
+					Hint:    "Check whether it committed before you retry it."}
+			}
+		}
+		sess.end(resp)
 		sess.client.Close() // also a client that lingers after a fencing error
 	})
 	defer stop()
@@ -210,6 +229,10 @@ func (sess *session) finishServer(done *clientDone, errc <-chan error) {
 		<-drained
 	}
 }
+
+// cancelWait bounds how long a session still busy when the shutdown grace runs out waits
+// for the answer to the cancel of its statement (relay).
+const cancelWait = time.Second
 
 // refuseWait bounds how long a session whose client sent a message the proxy refuses waits
 // for the answers to the units sent before it (finishServer).
@@ -566,7 +589,7 @@ func (sess *session) serverToClient() error {
 }
 
 func (sess *session) flushClientIfIdle() error {
-	if sess.sr.Buffered() == 0 {
+	if !sess.sr.NextWhole() {
 		sess.cwMu.Lock()
 		err := sess.cw.Flush()
 		sess.cwMu.Unlock()
@@ -743,7 +766,7 @@ func (sess *session) flushBoth() error {
 }
 
 func (sess *session) flushServerIfIdle() error {
-	if sess.cr.Buffered() == 0 {
+	if !sess.cr.NextWhole() {
 		return sess.sw.Flush()
 	}
 	return nil

@@ -651,7 +651,7 @@ func (sess *session) cancelBackend() {
 	defer cancel()
 	req := &wire.Startup{Kind: wire.KindCancelRequest, ProcessID: sess.pid, SecretKey: sess.key}
 	if err := sess.srv.forwardCancel(ctx, req); err != nil {
-		sess.log.Warn("could not cancel the bind", zap.Error(err))
+		sess.log.Warn("could not cancel the backend's statement", zap.Error(err))
 	}
 }
 

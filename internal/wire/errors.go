@@ -14,6 +14,8 @@ const (
 const (
 	CodeProtocolViolation    = "08P01"
 	CodeConnectionFailure    = "08006"
+	CodeResolutionUnknown    = "08007" // transaction_resolution_unknown
+	CodeQueryCanceled        = "57014"
 	CodeCannotConnectNow     = "57P03"
 	CodeTooManyConnections   = "53300"
 	CodeProgramLimitExceeded = "54000"

@@ -182,9 +182,27 @@ func (r *Reader) TakeBuffered() ([]byte, error) {
 	return b, nil
 }
 
-// Buffered reports how many bytes can be read without blocking. The proxy
-// flushes its writer before it blocks on a read.
+// Buffered reports how many bytes can be read without blocking.
 func (r *Reader) Buffered() int { return r.br.Buffered() }
+
+// NextWhole reports whether the next message (after what is left of the current one) is
+// in the buffer whole, so that reading it cannot block. The proxy flushes its writer
+// unless it does: a message followed by the first bytes of the next must not wait in the
+// writer for the rest (a review's client sent a query and part of the next message, and
+// got no answer). A header that is malformed or above the limit counts as not whole:
+// reading it fails, and what was written before must have gone out.
+func (r *Reader) NextWhole() bool {
+	skip := r.pending
+	if r.br.Buffered() < skip+5 {
+		return false
+	}
+	hdr, err := r.br.Peek(skip + 5)
+	if err != nil {
+		return false
+	}
+	l := int64(binary.BigEndian.Uint32(hdr[skip+1:]))
+	return l >= 4 && l-4 <= int64(r.max) && int64(r.br.Buffered()) >= int64(skip)+1+l
+}
 
 func unexpected(err error) error {
 	if errors.Is(err, io.EOF) {
