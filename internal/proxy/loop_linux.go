@@ -488,21 +488,25 @@ func (sess *session) relayInLoop() {
 		return // recalled already: an end is under way
 	}
 	defer close(ls.rebuilt)
-	for dir, r := range []*wire.Reader{sess.cr, sess.sr} {
-		if ls.d[dir].in, err = r.TakeBuffered(); err != nil {
-			sess.cr = wire.NewReader(prefixed(ls.d[0].in, sess.client), bufSize, ls.max)
-			return // the goroutine relay meets the same error
+	ls.fd = [2]int{-1, -1}
+	for dir, c := range []net.Conn{sess.client, sess.server} {
+		if ls.fd[dir], err = dupSocket(c.(syscall.Conn)); err != nil {
+			break
 		}
 	}
-	cfd, err := dupSocket(sess.client.(syscall.Conn))
-	if err == nil {
-		ls.fd[0] = cfd
-		if ls.fd[1], err = dupSocket(sess.server.(syscall.Conn)); err != nil {
-			unix.Close(cfd)
+	for dir, r := range []*wire.Reader{sess.cr, sess.sr} {
+		if err == nil {
+			ls.d[dir].in, err = r.TakeBuffered()
 		}
 	}
 	if err != nil {
+		// The goroutine relay has the session, with what the readers had buffered.
 		sess.log.Warn("the event loop cannot take the session: relaying with goroutines", zap.Error(err))
+		for _, fd := range ls.fd {
+			if fd >= 0 {
+				unix.Close(fd)
+			}
+		}
 		sess.cr = wire.NewReader(prefixed(ls.d[0].in, sess.client), bufSize, ls.max)
 		sess.sr = wire.NewReader(prefixed(ls.d[1].in, sess.server), bufSize, ls.max)
 		return

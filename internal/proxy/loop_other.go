@@ -5,8 +5,6 @@ package proxy
 // loopSession is the event loop's state of a session; the loop is Linux's (loop_linux.go).
 type loopSession struct{}
 
-func loopOff() string { return "the event loop is Linux's" }
-
 func (sess *session) relayInLoop() {}
 
 func (sess *session) recall() {}
