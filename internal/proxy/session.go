@@ -476,11 +476,16 @@ func (sess *session) relayAuth(ctx context.Context) error {
 			if len(body) != 1 {
 				return fatalf(wire.CodeProtocolViolation, "malformed ReadyForQuery from the server")
 			}
+			// body aliases the server reader's buffer, which the bind reuses
+			// for its own answers: keep the status byte, not the slice (a
+			// kept slice told psycopg 3 'T' on the Consul path, and it
+			// skipped its first BEGIN).
+			status := body[0]
 			if err := sess.bind(ctx); err != nil {
 				return err
 			}
-			sess.status = body[0]
-			return sess.toClient(typ, body, true)
+			sess.status = status
+			return sess.toClient(typ, []byte{status}, true)
 		default: // NegotiateProtocolVersion, NoticeResponse, ...
 			if err := sess.toClient(typ, body, false); err != nil {
 				return err
