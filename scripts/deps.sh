@@ -84,7 +84,7 @@ else
   say "installed ${#missing[@]} package(s)"
 fi
 
-# node-postgres for the driver tests (TestDrivers): npm ci from the lockfile next to the test
+# node-postgres for the driver tests (TestTransparencyMatrix): npm ci from the lockfile next to the test
 # program; skipped when node_modules already matches the lockfile.
 node_dir=internal/proxy/testdata/drivers/node
 if cmp -s "$node_dir/package-lock.json" "$node_dir/node_modules/.deps-lock" 2>/dev/null; then

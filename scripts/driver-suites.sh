@@ -18,7 +18,7 @@
 #      when Debian's version is the one wanted;
 #      psycopg: the version of the installed python3-psycopg (Debian's 3.1.7, tag 3.1.7);
 #      node-postgres: $NODE_POSTGRES_VERSION (default 8.23.0, the release nearest to the
-#      8.23.1 of TestDrivers with a tag: pg@8.23.0), its packages/pg folder (lib/ is the
+#      8.23.1 of TestTransparencyMatrix with a tag: pg@8.23.0), its packages/pg folder (lib/ is the
 #      driver under test) and, with npm, its dependencies and the modules its tests use;
 #   3. runs `go run ./cmd/driversuites`.
 #

@@ -1,9 +1,11 @@
 package proxy_test
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -11,9 +13,6 @@ import (
 	"strings"
 	"testing"
 	"time"
-
-	"github.com/fenceproxy/fenceproxy/internal/proxy"
-	"github.com/fenceproxy/fenceproxy/internal/testenv"
 )
 
 // Where scripts/deps.sh puts the drivers (Debian packages, and npm ci for
@@ -24,27 +23,42 @@ const (
 	javaSource = "testdata/drivers/jdbc/Client.java" // compiled by the test with javac
 )
 
-// driver is a client stack's test program: each prints "ok <check>" lines
-// and "ALL OK" on success.
-type driver struct {
+// clientDriver is a client stack of TestTransparencyMatrix. Each but pgx (in
+// this process, pgxCell) is a program that runs every check of a cell in one
+// process: testdata/drivers/fencecell.py says how it is run and reports.
+type clientDriver struct {
 	name string
-	// prepare checks the driver is installed (saying what to install when
-	// not) and returns the command that runs the program.
-	prepare func(t *testing.T) []string
+	// prepare checks the driver is installed (saying what to install when not)
+	// and returns how a cell runs it.
+	prepare func(t *testing.T, s *servers) cellRunner
 }
 
-func clientDrivers() []driver {
-	return []driver{
-		{"node-postgres", func(t *testing.T) []string {
+// cellRunner runs a driver's checks for one cell and returns its report
+// ("ok <check>", "FAIL <check>: <why>" lines) and what else it said.
+type cellRunner func(ctx context.Context, c *cell) (report, diag string)
+
+func clientDrivers() []clientDriver {
+	return []clientDriver{
+		{"pgx", func(*testing.T, *servers) cellRunner { return pgxCell }},
+		{"psql", func(t *testing.T, s *servers) cellRunner {
+			return program([]string{"sh", absPath(t, "testdata/drivers/psql_client.sh")}, "PSQL="+s.pg.Bin("psql"))
+		}},
+		{"psycopg 2", func(t *testing.T, _ *servers) cellRunner {
+			return pythonProgram(t, "psycopg2", "python3-psycopg2", "testdata/drivers/psycopg2_client.py")
+		}},
+		{"psycopg 3", func(t *testing.T, _ *servers) cellRunner {
+			return pythonProgram(t, "psycopg", "python3-psycopg", "testdata/drivers/psycopg_client.py")
+		}},
+		{"node-postgres", func(t *testing.T, _ *servers) cellRunner {
 			for _, m := range []string{"pg", "pg-copy-streams"} {
 				if _, err := os.Stat(filepath.Join(nodeFolder, "node_modules", m, "package.json")); err != nil {
 					t.Fatalf("node-postgres is not installed (%v): run `make deps` (scripts/deps.sh: npm ci in internal/proxy/%s; needs node and npm)", err, nodeFolder)
 				}
 			}
 			node := lookPath(t, "node", "node and npm (Debian nodejs, npm)")
-			return []string{node, filepath.Join(nodeFolder, "client.js")}
+			return program([]string{node, absPath(t, filepath.Join(nodeFolder, "client.js"))})
 		}},
-		{"pgjdbc", func(t *testing.T) []string {
+		{"pgjdbc", func(t *testing.T, _ *servers) cellRunner {
 			if _, err := os.Stat(pgjdbcJar); err != nil {
 				t.Fatalf("pgjdbc is not installed (%v): run `make deps` (Debian libpostgresql-jdbc-java)", err)
 			}
@@ -56,17 +70,18 @@ func clientDrivers() []driver {
 			if out, err := exec.CommandContext(ctx, javac, "-cp", pgjdbcJar, "-d", classes, javaSource).CombinedOutput(); err != nil {
 				t.Fatalf("javac %s: %v\n%s", javaSource, err, out)
 			}
-			return []string{java, "-XX:TieredStopAtLevel=1", "-Xshare:auto", "-cp", classes + string(os.PathListSeparator) + pgjdbcJar, "Client"}
-		}},
-		{"psycopg 3", func(t *testing.T) []string {
-			// Debian's python3, which has python3-psycopg (a python earlier on
-			// PATH may not).
-			if out, err := exec.Command(psycopg2Python, "-c", "import psycopg").CombinedOutput(); err != nil {
-				t.Fatalf("psycopg 3 is not installed (%v: %s): run `make deps` (Debian python3-psycopg)", err, out)
-			}
-			return []string{psycopg2Python, "testdata/drivers/psycopg_client.py"}
+			return program([]string{java, "-XX:TieredStopAtLevel=1", "-Xshare:auto", "-cp", classes + string(os.PathListSeparator) + pgjdbcJar, "Client"})
 		}},
 	}
+}
+
+// pythonProgram runs script with Debian's python3, which has the module
+// (a python earlier on PATH may not).
+func pythonProgram(t *testing.T, module, pkg, script string) cellRunner {
+	if out, err := exec.Command(psycopg2Python, "-c", "import "+module).CombinedOutput(); err != nil {
+		t.Fatalf("%s is not installed (%v: %s): run `make deps` (Debian %s)", module, err, out, pkg)
+	}
+	return program([]string{psycopg2Python, absPath(t, script)}, "PYTHONIOENCODING=utf-8", "PYTHONDONTWRITEBYTECODE=1")
 }
 
 func lookPath(t *testing.T, name, what string) string {
@@ -78,66 +93,69 @@ func lookPath(t *testing.T, name, what string) string {
 	return p
 }
 
-// TestDrivers runs node-postgres, pgjdbc and psycopg 3 programs through the
-// proxy, fenced (a token in the driver's own way of passing startup
-// options, and a stale token surfacing as ZF001 in the driver's error type)
-// and unfenced: prepared statements, transactions, COPY, LISTEN/NOTIFY,
-// cancel. pgx, libpq (psql, pgbench) and psycopg2 are in TestTransparency.
-func TestDrivers(t *testing.T) {
-	t.Parallel()
-	drivers := clientDrivers()
-	pg, _ := fencedDB(t)
-	var resources []string
-	for i := range drivers {
-		resources = append(resources, "driver"+strconv.Itoa(i))
+func absPath(t *testing.T, p string) string {
+	a, err := filepath.Abs(p)
+	if err != nil {
+		t.Fatal(err)
 	}
-	// The control database lets the proxy tell a backend ended by a raise
-	// (ZF001) at once, however slow the machine (without it, it waits up to
-	// a second to hear of the raise).
-	fenced := fencedProxy(t, pg, func(c *proxy.Config) {
-		c.Resources = resources
-		c.ControlDatabase = pg.AdminURL()
-	})
-	unfenced := plainProxy(t, pg)
-	for i, d := range drivers {
-		t.Run(d.name, func(t *testing.T) {
-			t.Parallel()
-			cmd := d.prepare(t)
-			t.Run("fenced", func(t *testing.T) {
-				t.Parallel()
-				runDriver(t, cmd, fenced, "FENCE_RESOURCE="+resources[i], "FENCE_TOKEN=1")
-			})
-			t.Run("unfenced", func(t *testing.T) {
-				t.Parallel()
-				runDriver(t, cmd, unfenced)
-			})
-		})
-	}
+	return a
 }
 
-// runDriver runs a driver's program against p as the role "app" and checks
-// its report.
-func runDriver(t *testing.T, command []string, p *testenv.Proxy, env ...string) {
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, command[0], command[1:]...)
-	cmd.Env = clientEnv(append([]string{"PGHOST=" + p.Host, "PGPORT=" + strconv.Itoa(p.Port), "PGUSER=app", "PGDATABASE=postgres", "PYTHONIOENCODING=utf-8"}, env...))
-	var stdout, stderr bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &stdout, &stderr
-	err := cmd.Run()
-	out := stdout.String()
-	if err != nil || !strings.HasSuffix(out, "ALL OK\n") {
-		t.Fatalf("%s: %v\nstdout:\n%s\nstderr:\n%s", strings.Join(command, " "), err, out, stderr.String())
-	}
-	t.Log(strings.TrimSpace(fmt.Sprintf("%d checks passed; %s", strings.Count(out, "ok "), lineWith(out, "stale: "))))
-}
-
-// lineWith returns the first line of s that starts with prefix.
-func lineWith(s, prefix string) string {
-	for _, l := range strings.Split(s, "\n") {
-		if strings.HasPrefix(l, prefix) {
-			return l
+// program runs command for a cell, in the cell's folder, as the role "app",
+// and answers its stale token's handshake ("stale?": the new holder's
+// "<token> <session>") with the cell's takeover.
+func program(command []string, env ...string) cellRunner {
+	return func(ctx context.Context, c *cell) (string, string) {
+		cmd := exec.CommandContext(ctx, command[0], command[1:]...)
+		cmd.Dir = c.dir
+		sslmode := "disable"
+		if c.tls {
+			sslmode = "require"
 		}
+		cellEnv := []string{"PGHOST=" + c.proxy.Host, "PGPORT=" + strconv.Itoa(c.proxy.Port), "PGUSER=app", "PGDATABASE=postgres",
+			"PGSSLMODE=" + sslmode, "PGSSLROOTCERT=" + c.caFile}
+		if c.fenced {
+			cellEnv = append(cellEnv, "FENCE_RESOURCE="+c.resource, "FENCE_TOKEN="+strconv.FormatInt(c.first.token, 10), "FENCE_SESSION="+c.first.session)
+		}
+		cmd.Env = clientEnv(append(cellEnv, env...))
+		var stderr bytes.Buffer
+		cmd.Stderr = &stderr
+		stdin, err := cmd.StdinPipe()
+		if err != nil {
+			return "", err.Error()
+		}
+		stdout, err := cmd.StdoutPipe()
+		if err != nil {
+			return "", err.Error()
+		}
+		if err := cmd.Start(); err != nil {
+			return "", err.Error()
+		}
+		var report strings.Builder
+		var notes []string
+		sc := bufio.NewScanner(stdout)
+		for sc.Scan() {
+			line := sc.Text()
+			if line != "stale?" {
+				report.WriteString(line + "\n")
+				continue
+			}
+			h, err := c.takeover()
+			if err != nil {
+				notes = append(notes, "takeover: "+err.Error())
+			}
+			session := h.session
+			if session == "" {
+				session = "-"
+			}
+			fmt.Fprintf(stdin, "%d %s\n", h.token, session)
+		}
+		_, _ = io.Copy(io.Discard, stdout)
+		stdin.Close()
+		if err := cmd.Wait(); err != nil {
+			notes = append(notes, fmt.Sprintf("%s: %v", strings.Join(command, " "), err))
+		}
+		notes = append(notes, "stderr:\n"+stderr.String())
+		return report.String(), strings.Join(notes, "\n")
 	}
-	return ""
 }

@@ -1,126 +1,132 @@
-"""psycopg 3 through fenceproxy (run by the Go test TestDrivers).
+"""psycopg 3 through fenceproxy: one cell of TestTransparencyMatrix
+(fencecell.py says how it is run and reports).
 
-A token in libpq's `options`, prepared statements, transactions, COPY,
-LISTEN/NOTIFY, cancel and, with FENCE_TOKEN set, a stale token surfacing as a
-psycopg.Error with sqlstate ZF001. libpq reads PGHOST, PGPORT, PGUSER and
-PGDATABASE; FENCE_RESOURCE and FENCE_TOKEN name the token (none: an
-unfenced session). Prints "ok <check>" per check, then "ALL OK".
+The token in libpq's `options`; the transaction status right after
+connecting; a first transaction rolled back (psycopg begins it only when
+libpq says idle); savepoints; server-prepared statements; COPY both ways;
+LISTEN/NOTIFY; cancel; a stale token surfacing as a psycopg.Error with
+sqlstate ZF001.
 """
 
-import os
-import threading
 import time
 
 import psycopg
+from psycopg.pq import TransactionStatus
 
-RESOURCE = os.environ.get("FENCE_RESOURCE", "")
-TOKEN = os.environ.get("FENCE_TOKEN", "")
-DEADLINE = 30  # seconds for anything that waits on the server
+import fencecell as cell
+from fencecell import check
 
 
-def connect(token, **kw):
-    if token:
-        kw["options"] = f"-c fence.resource={RESOURCE} -c fence.token={token}"
+def connect(opts=None, **kw):
+    opts = cell.options() if opts is None else opts
+    if opts:
+        kw["options"] = opts
     return psycopg.connect(connect_timeout=60, **kw)
 
 
-def ok(name):
-    print("ok", name, flush=True)
-
-
 def main():
-    conn = connect(TOKEN, autocommit=True)
-    assert conn.execute("SELECT 1").fetchone() == (1,)
-    ok("connect")
+    conn = connect()  # not autocommit: psycopg sends BEGIN when libpq says idle
 
-    with conn.cursor() as cur:
-        for i in (1, 2, 3, 4, 5, 6):
-            cur.execute("SELECT %s::int * 2", (i,), prepare=True)
-            assert cur.fetchone() == (2 * i,)
-    ok("prepared statement")
+    @check("idle after connect")
+    def _():
+        assert conn.info.transaction_status == TransactionStatus.IDLE, conn.info.transaction_status
 
-    conn.execute("CREATE TEMP TABLE t (id int PRIMARY KEY, tag text NOT NULL)")
-    with conn.transaction():
+    @check("rollback leaves nothing")
+    def _():
+        conn.execute("CREATE TEMP TABLE t (id int PRIMARY KEY, tag text NOT NULL DEFAULT 'copied')")
         conn.execute("INSERT INTO t VALUES (1, 'rolled back')")
-        raise psycopg.Rollback()
-    with conn.transaction():
-        conn.execute("INSERT INTO t VALUES (%s, %s)", (1, "kept"))
-    try:
+        conn.rollback()
+        left = conn.execute("SELECT to_regclass('pg_temp.t') IS NOT NULL").fetchone()[0]
+        conn.rollback()
+        assert not left, "the rolled-back first transaction's table is left"
+
+    conn.autocommit = True
+
+    @check("transaction and savepoints")
+    def _():
+        conn.execute("DROP TABLE IF EXISTS pg_temp.t")
+        conn.execute("CREATE TEMP TABLE t (id int PRIMARY KEY, tag text NOT NULL DEFAULT 'copied')")
         with conn.transaction():
-            conn.execute("SELECT 1/0")
-    except psycopg.errors.DivisionByZero as e:
-        assert e.sqlstate == "22012"
-    else:
-        raise AssertionError("no division by zero error")
-    assert conn.execute("SELECT tag FROM t").fetchall() == [("kept",)]
-    ok("transaction")
-
-    with conn.cursor() as cur:
-        with cur.copy("COPY t FROM STDIN") as copy:
-            for i in range(2, 1001):
-                copy.write_row((i, f"row {i}"))
-        out = bytearray()
-        with cur.copy("COPY (SELECT id, tag FROM t ORDER BY id) TO STDOUT") as copy:
-            for data in copy:
-                out += data
-    lines = bytes(out).decode().splitlines()
-    assert len(lines) == 1000 and lines[:2] == ["1\tkept", "2\trow 2"], lines[:3]
-    ok("copy")
-
-    other = connect(TOKEN, autocommit=True)
-    got = []
-    conn.add_notify_handler(got.append)
-    conn.execute("LISTEN py_chan")
-    other.execute("NOTIFY py_chan, 'hello from psycopg'")
-    deadline = time.monotonic() + DEADLINE
-    while not got and time.monotonic() < deadline:
-        conn.execute("SELECT 1")  # reads what the server sent meanwhile
-        time.sleep(0.02)
-    assert got and got[0].channel == "py_chan" and got[0].payload == "hello from psycopg", got
-    ok("listen/notify")
-
-    pid = conn.info.backend_pid
-
-    def cancel_when_running():
-        # A CancelRequest for an idle backend cancels nothing.
-        end = time.monotonic() + DEADLINE
-        while time.monotonic() < end:
-            row = other.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE pid = %s AND state = 'active' AND query LIKE %s",
-                (pid, "%pg_sleep%"),
-            ).fetchone()
-            if row[0] == 1:
-                conn.cancel()
-                return
-            time.sleep(0.02)
-
-    canceller = threading.Thread(target=cancel_when_running)
-    canceller.start()
-    try:
-        conn.execute("SELECT pg_sleep(60)")
-    except psycopg.errors.QueryCanceled as e:
-        assert e.sqlstate == "57014"
-    else:
-        raise AssertionError("pg_sleep was not cancelled")
-    canceller.join()
-    ok("cancel")
-
-    if TOKEN:
-        # A higher token admitted through another session makes this one
-        # stale: its next statement fails with ZF001.
-        with connect(str(int(TOKEN) + 1)) as higher:
-            higher.execute("SELECT 1")
+            conn.execute("INSERT INTO t VALUES (1, 'kept')")
+            with conn.transaction():
+                conn.execute("INSERT INTO t VALUES (2, 'undone')")
+                raise psycopg.Rollback()
+            conn.execute("INSERT INTO t VALUES (%s, %s)", (3, "kept"))
         try:
-            conn.execute("SELECT 1")
-        except psycopg.Error as e:
-            assert e.sqlstate == "ZF001", (type(e), e.sqlstate, str(e))
-            print("stale:", type(e).__name__, e.sqlstate, str(e).strip(), flush=True)
+            with conn.transaction():
+                conn.execute("SELECT 1/0")
+        except psycopg.errors.DivisionByZero as e:
+            assert e.sqlstate == "22012"
         else:
-            raise AssertionError("the stale session ran a statement")
-        ok("stale token")
+            raise AssertionError("no division by zero error")
+        ids = [r[0] for r in conn.execute("SELECT id FROM t ORDER BY id")]
+        assert ids == [1, 3], ids
+
+    @check("prepared statement")
+    def _():
+        with conn.cursor() as cur:
+            for i in (1, 2, 3, 4, 5, 6):
+                cur.execute("SELECT %s::int * 2", (i,), prepare=True)
+                assert cur.fetchone() == (2 * i,)
+
+    @check("copy in")
+    def _():
+        with conn.cursor() as cur:
+            with cur.copy("COPY t (id) FROM STDIN") as copy:
+                for i in range(4, 1001):
+                    copy.write_row((i,))
+        assert conn.execute("SELECT count(*) FROM t").fetchone() == (999,)
+
+    @check("copy out")
+    def _():
+        out = bytearray()
+        with conn.cursor() as cur:
+            with cur.copy("COPY (SELECT id, tag FROM t ORDER BY id) TO STDOUT") as copy:
+                for data in copy:
+                    out += data
+        lines = bytes(out).decode().splitlines()
+        assert len(lines) == 999 and lines[:3] == ["1\tkept", "3\tkept", "4\tcopied"], lines[:3]
+
+    other = connect(autocommit=True)
+
+    @check("listen notify")
+    def _():
+        got = []
+        conn.add_notify_handler(got.append)
+        conn.execute("LISTEN py_chan")
+        other.execute("NOTIFY py_chan, 'hello from psycopg'")
+        deadline = time.monotonic() + cell.DEADLINE
+        while not got and time.monotonic() < deadline:
+            conn.execute("SELECT 1")  # reads what the server sent meanwhile
+            time.sleep(0.02)
+        assert got and got[0].channel == "py_chan" and got[0].payload == "hello from psycopg", got
+
+    @check("cancel")
+    def _():
+        pid = conn.info.backend_pid
+        q = "SELECT count(*) FROM pg_stat_activity WHERE pid = %s AND state = 'active' AND query LIKE %s"
+        e = cell.cancelled(
+            lambda: conn.execute("SELECT pg_sleep(60)"),
+            lambda: other.execute(q, (pid, "%pg_sleep%")).fetchone()[0] == 1,
+            conn.cancel,
+        )
+        assert isinstance(e, psycopg.errors.QueryCanceled) and e.sqlstate == "57014", repr(e)
+
+    if cell.TOKEN:
+
+        @check("stale token")
+        def _():
+            def new_holder(opts):
+                with connect(opts) as higher:
+                    higher.execute("SELECT 1")
+
+            e = cell.stale(new_holder, lambda: conn.execute("SELECT 1"))
+            assert isinstance(e, psycopg.Error) and e.sqlstate == "ZF001", (type(e), str(e))
+            print("stale:", type(e).__name__, e.sqlstate, str(e).strip(), flush=True)
+
     conn.close()
     other.close()
-    print("ALL OK", flush=True)
+    cell.done()
 
 
 if __name__ == "__main__":
