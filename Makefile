@@ -1,5 +1,5 @@
 # fenceproxy: `make test` is what CI runs (.ci/run).
-.PHONY: all deps build test fmt fmt-check vet sqltest fuzz gotest gen-long chaos demo bench bench-quick driver-suites psycopg-suite clean
+.PHONY: all deps build test fmt fmt-check vet sqltest model model-quick fuzz gotest gen-long chaos demo bench bench-quick driver-suites psycopg-suite clean
 # Prerequisites are steps in order (deps before tests), also under make -j.
 .NOTPARALLEL:
 
@@ -26,7 +26,7 @@ build:
 
 # The checks run fastest first; `go test ./...` runs last so that its closing line
 # (ok / FAIL) ends the output.
-test: deps fmt-check vet sqltest fuzz gotest
+test: deps fmt-check vet sqltest model-quick fuzz gotest
 
 fmt:
 	gofmt -w .
@@ -41,6 +41,16 @@ vet:
 
 sqltest:
 	if [ -f scripts/test-sql.sh ]; then bash scripts/test-sql.sh; fi
+
+# The Promela model of bind, raise and end with failover (model/fence.pml, model/README.md):
+# Spin checks the real model (it must pass) and each negative control (it must fail with a
+# trail), and every fence.<name> it names must exist in migrations/. model-quick is the
+# bounded configuration `make test` runs (about 30 s); model runs every configuration.
+model-quick:
+	bash model/verify.sh quick
+
+model:
+	bash model/verify.sh full
 
 # Each fuzz target, briefly: the committed corpus in testdata/fuzz/ runs in gotest anyway.
 fuzz:

@@ -24,6 +24,7 @@ packages=(
   prometheus                         # promtool checks the alert rules (its server is kept stopped)
   chromium                           # headless browser test of the status page
   zookeeper                          # ZooKeeper's jars: the lease store tests run a private server
+  spin                               # model checker of model/fence.pml (make model, make test)
 )
 
 prog=deps
