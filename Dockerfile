@@ -29,5 +29,5 @@ COPY --from=build /out/fenceproxy /out/billing /usr/local/bin/
 # named volume mounted here starts as a copy of it, ownership included (docker-compose.yml).
 RUN mkdir -p /var/lib/fenceproxy && chown nobody:nogroup /var/lib/fenceproxy && chmod 0700 /var/lib/fenceproxy
 USER nobody
-EXPOSE 6432
+EXPOSE 7432
 CMD ["fenceproxy", "--help"]

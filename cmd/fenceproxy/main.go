@@ -3,9 +3,9 @@
 // admitting a higher token ends every session of a lower one.
 //
 //	fenceproxy migrate --database postgres://admin@127.0.0.1:5432/app --key-file proxy.key
-//	fenceproxy serve   --listen 127.0.0.1:6432 --upstream postgres://127.0.0.1:5432 --resource billing --key-file proxy.key
-//	fenceproxy lock    --resource billing --database-url postgres://app@127.0.0.1:6432/app -- ./billing
-//	fenceproxy lock    --store postgres --database postgres://lock@127.0.0.1:5432/app --resource billing --database-url postgres://app@127.0.0.1:6432/app -- ./billing
+//	fenceproxy serve   --listen 127.0.0.1:7432 --upstream postgres://127.0.0.1:5432 --resource billing --key-file proxy.key
+//	fenceproxy lock    --resource billing --database-url postgres://app@127.0.0.1:7432/app -- ./billing
+//	fenceproxy lock    --store postgres --database postgres://lock@127.0.0.1:5432/app --resource billing --database-url postgres://app@127.0.0.1:7432/app -- ./billing
 //
 // Every flag can also be set by an environment variable FENCEPROXY_<FLAG>
 // (for example FENCEPROXY_UPSTREAM) and in a JSON file given with --config
@@ -32,7 +32,7 @@ import (
 
 // globals are flags every subcommand takes.
 type globals struct {
-	Config    kong.ConfigFlag `help:"JSON configuration file; its keys are the flag names (e.g. {\"listen\": \"127.0.0.1:6432\", \"resource\": [\"billing\"]})." type:"path"`
+	Config    kong.ConfigFlag `help:"JSON configuration file; its keys are the flag names (e.g. {\"listen\": \"127.0.0.1:7432\", \"resource\": [\"billing\"]})." type:"path"`
 	LogLevel  string          `help:"Log level: debug, info, warn, error." default:"info" enum:"debug,info,warn,error"`
 	LogFormat string          `help:"Log format: json or console." default:"json" enum:"json,console"`
 }

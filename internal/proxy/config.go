@@ -24,12 +24,18 @@ const (
 	UnfencedAllow    = "allow"
 )
 
+// DefaultListen is the client-facing address when none is configured. Its port, 7432, is one
+// that no common PostgreSQL tool takes by default, so that fenceproxy can run next to them on
+// one host: PgBouncer, PgDog, pgcat and Odyssey listen on 6432, Supavisor on 6543, and
+// Debian's second PostgreSQL cluster on 5433. Keep the Listen field's default tag the same.
+const DefaultListen = "127.0.0.1:7432"
+
 // Config is the proxy's whole configuration. The zero value of every field
 // means its default. Flags, environment variables (FENCEPROXY_<FLAG>) and the
 // JSON config file all fill this same struct (see cmd/fenceproxy).
 type Config struct {
-	// Listen is the client-facing address, HOST:PORT. Default 127.0.0.1:6432.
-	Listen string `help:"Address to accept clients on, HOST:PORT." default:"127.0.0.1:6432"`
+	// Listen is the client-facing address, HOST:PORT. Default 127.0.0.1:7432 (DefaultListen).
+	Listen string `help:"Address to accept clients on, HOST:PORT." default:"127.0.0.1:7432"`
 	// Upstream is the PostgreSQL server: postgres://HOST:PORT, or
 	// postgres:///?host=/socket/dir&port=5432 for a Unix socket. User and
 	// database come from each client's startup message, never from here.
@@ -162,7 +168,7 @@ func (c Config) validate() (*settings, error) {
 		}
 	}
 	if s.Listen == "" {
-		s.Listen = "127.0.0.1:6432"
+		s.Listen = DefaultListen
 	}
 	if s.StaleWait <= 0 {
 		s.StaleWait = staleWait
