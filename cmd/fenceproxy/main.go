@@ -21,6 +21,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"runtime/debug"
 	"slices"
 	"strings"
 	"syscall"
@@ -47,16 +48,58 @@ type cli struct {
 	Version VersionCmd `cmd:"" help:"Print the version."`
 }
 
-// version is set at build time with -ldflags "-X main.version=...".
-var version = "dev" //nolint:gochecknoglobals // set by the linker
+// version is stamped at build time with -ldflags "-X main.version=$(git describe --tags
+// --always --dirty)" (make build, the Dockerfile); when it is empty, versionOf finds one in the
+// build information Go records.
+var version string //nolint:gochecknoglobals // set by the linker
 
 // VersionCmd prints the version.
 type VersionCmd struct{}
 
 // Run prints the version.
 func (VersionCmd) Run() error {
-	fmt.Println("fenceproxy", version)
+	fmt.Println("fenceproxy", buildVersion())
 	return nil
+}
+
+// buildVersion is this binary's version (versionOf).
+func buildVersion() string {
+	info, ok := debug.ReadBuildInfo()
+	return versionOf(version, info, ok)
+}
+
+// versionOf is the version to show: the stamped one; else the module's version (go install
+// module@version); else the VCS commit go build and go run record (-dirty when the work tree
+// had changes); else a sentence that says how to get one.
+func versionOf(stamped string, info *debug.BuildInfo, ok bool) string {
+	if stamped != "" {
+		return stamped
+	}
+	if !ok || info == nil {
+		return "unknown (built without build information; build with make build)"
+	}
+	if v := info.Main.Version; v != "" && v != "(devel)" {
+		return v
+	}
+	var rev, modified string
+	for _, s := range info.Settings {
+		switch s.Key {
+		case "vcs.revision":
+			rev = s.Value
+		case "vcs.modified":
+			modified = s.Value
+		}
+	}
+	if rev == "" {
+		return "unknown (built without VCS information; build with make build, or go build inside the git work tree)"
+	}
+	if len(rev) > 12 {
+		rev = rev[:12]
+	}
+	if modified == "true" {
+		rev += "-dirty"
+	}
+	return rev
 }
 
 // newLogger returns the logger and its level, which a reload may change.
