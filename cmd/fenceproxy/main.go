@@ -267,8 +267,8 @@ func run(args []string) int {
 		if errors.As(err, &ec) {
 			return ec.ExitCode()
 		}
+		// Once, in the log's format (the log goes to stderr).
 		log.Error("fenceproxy failed", zap.Error(err))
-		fmt.Fprintln(os.Stderr, "fenceproxy:", err)
 		return 1
 	}
 	return 0

@@ -263,12 +263,18 @@ func parseUpstream(raw, sslmode, rootCert string) (upstreamAddr, error) {
 	if raw == "" {
 		return a, errors.New("upstream is required (postgres://HOST:PORT)")
 	}
+	if !strings.HasPrefix(raw, "postgres://") && !strings.HasPrefix(raw, "postgresql://") {
+		// A bare HOST:PORT, or a keyword/value string, is no URL: url.Parse's own words
+		// ("first path segment in URL cannot contain colon") do not say what to write.
+		example := "postgres://HOST:PORT"
+		if h, p, err := net.SplitHostPort(raw); err == nil {
+			example = "postgres://" + net.JoinHostPort(h, p)
+		}
+		return a, fmt.Errorf("upstream %q is not a postgres:// URL: write %s (or postgres:///?host=/socket/dir&port=5432 for a Unix socket)", raw, example)
+	}
 	u, err := url.Parse(raw)
 	if err != nil {
-		return a, fmt.Errorf("upstream: %w", err)
-	}
-	if u.Scheme != "postgres" && u.Scheme != "postgresql" {
-		return a, fmt.Errorf("upstream %q: scheme must be postgres://", raw)
+		return a, fmt.Errorf("upstream %q is not a valid URL (%w): write postgres://HOST:PORT", raw, err)
 	}
 	if u.User != nil || (u.Path != "" && u.Path != "/") {
 		return a, fmt.Errorf("upstream %q: user and database come from each client; give only host and port", raw)
