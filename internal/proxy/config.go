@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/url"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -67,8 +68,15 @@ type Config struct {
 	ShutdownGrace time.Duration `help:"How long sessions may finish after SIGTERM before they are closed." default:"30s"`
 
 	// Resources are the fenced resources, NAME or NAME=CONSUL_KEY. In an
-	// environment variable, separate them with commas.
-	Resources []string `help:"Fenced resource, NAME or NAME=CONSUL_KEY (repeatable)." name:"resource" sep:","`
+	// environment variable, separate them with commas. A NAME without a Consul key that is
+	// no --lease-resource, --etcd-resource or --zk-resource is a bare-token resource: the
+	// database orders the tokens clients bring, and any client of the proxy may raise it.
+	Resources []string `help:"Fenced resource, NAME or NAME=CONSUL_KEY (repeatable). A NAME that no lock service validates (not a --lease-resource, --etcd-resource or --zk-resource, no CONSUL_KEY) is a bare-token resource: any client of the proxy may raise its token." name:"resource" sep:","`
+	// LeaseResources are the resources led through the PostgreSQL lease (fenceproxy lock
+	// --store postgres): their sessions are bound with fence.lease_bind, which admits no
+	// token before the lease exists. Each is also a resource (listing it in Resources too is
+	// allowed).
+	LeaseResources []string `help:"Resource led through the PostgreSQL lease (fenceproxy lock --store postgres), NAME (repeatable; implies --resource NAME): no token is admitted until its lease exists." name:"lease-resource" sep:","`
 	// Unfenced is the policy for sessions without fence parameters:
 	// reject (default), readonly or allow.
 	Unfenced string `help:"Sessions without a token: reject, readonly (best effort: default_transaction_read_only, which a client can turn off; use a role without write privileges to enforce it) or allow." default:"reject" enum:"reject,readonly,allow"`
@@ -129,7 +137,14 @@ type Config struct {
 type Resource struct {
 	Name string
 	Key  string // Consul lock key, empty when not validated against Consul
+	// Authority is who issues the resource's tokens: one of the lease.Store* names (consul,
+	// postgres, etcd, zookeeper) or AuthorityBare.
+	Authority string
 }
+
+// AuthorityBare is the authority of a resource no lock service validates: the database orders
+// the tokens clients bring, and any client of the proxy may raise the resource's token.
+const AuthorityBare = "bare"
 
 // upstreamAddr is where and how to dial the server.
 type upstreamAddr struct {
@@ -218,18 +233,8 @@ func (c Config) validate() (*settings, error) {
 	default:
 		return nil, fmt.Errorf("unfenced: %q is not reject, readonly or allow", s.Unfenced)
 	}
-	for _, r := range s.Resources {
-		name, key, _ := strings.Cut(r, "=")
-		if !fence.ValidResource(name) {
-			return nil, fmt.Errorf("resource %q: the name must match ^[a-z][a-z0-9_.-]{0,62}$", name)
-		}
-		for _, x := range s.resources {
-			if x.Name == name {
-				return nil, fmt.Errorf("resource %q configured twice", name)
-			}
-		}
-		s.resources = append(s.resources, Resource{Name: name, Key: key})
-		s.names = append(s.names, name)
+	if err := s.declareResources(); err != nil {
+		return nil, err
 	}
 	if len(s.Key) == 0 && s.KeyFile != "" {
 		k, err := fence.LoadKey(s.KeyFile)
@@ -256,6 +261,76 @@ func (c Config) validate() (*settings, error) {
 		s.clientTLS = &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12}
 	}
 	return s, nil
+}
+
+// declareResources fills s.resources from --resource and --lease-resource, each with its
+// authority: Consul for NAME=KEY, the PostgreSQL lease, etcd or ZooKeeper when the resource is
+// one of theirs, bare otherwise. A resource has one authority.
+func (s *settings) declareResources() error {
+	named := func(specs []string) map[string]bool {
+		m := map[string]bool{}
+		for _, spec := range specs {
+			name, _, _ := strings.Cut(spec, "=")
+			m[name] = true
+		}
+		return m
+	}
+	leased, etcd, zk := named(s.LeaseResources), named(s.EtcdResources), named(s.ZKResources)
+	add := func(name, key string) error {
+		if !fence.ValidResource(name) {
+			return fmt.Errorf("resource %q: the name must match ^[a-z][a-z0-9_.-]{0,62}$", name)
+		}
+		for _, x := range s.resources {
+			if x.Name == name {
+				return fmt.Errorf("resource %q configured twice", name)
+			}
+		}
+		r := Resource{Name: name, Key: key, Authority: AuthorityBare}
+		var by []string
+		if key != "" {
+			r.Authority, by = lease.StoreConsul, append(by, "a Consul key ("+key+")")
+		}
+		if leased[name] {
+			r.Authority, by = lease.StorePostgres, append(by, "--lease-resource")
+		}
+		if etcd[name] {
+			r.Authority, by = lease.StoreEtcd, append(by, "--etcd-resource")
+		}
+		if zk[name] {
+			r.Authority, by = lease.StoreZooKeeper, append(by, "--zk-resource")
+		}
+		if len(by) > 1 {
+			return fmt.Errorf("resource %q is declared with %s: a resource's tokens come from one lock service; keep one", name, strings.Join(by, " and "))
+		}
+		s.resources = append(s.resources, r)
+		s.names = append(s.names, name)
+		return nil
+	}
+	for _, r := range s.Resources {
+		name, key, _ := strings.Cut(r, "=")
+		if err := add(name, key); err != nil {
+			return err
+		}
+	}
+	for _, name := range s.LeaseResources {
+		if slices.Contains(s.names, name) {
+			continue // also given as --resource NAME
+		}
+		if err := add(name, ""); err != nil {
+			return fmt.Errorf("lease-resource: %w", err)
+		}
+	}
+	return nil
+}
+
+// authority is resource's declared authority ("" when the proxy does not serve it).
+func (l *live) authority(resource string) string {
+	for _, r := range l.resources {
+		if r.Name == resource {
+			return r.Authority
+		}
+	}
+	return ""
 }
 
 func parseUpstream(raw, sslmode, rootCert string) (upstreamAddr, error) {

@@ -241,7 +241,7 @@ func (g *Guard) Run(ctx context.Context) error {
 		go func() { defer close(resets); g.followResets(ctx, g.control) }()
 		defer func() { <-resets }()
 		if err := g.loadRegressions(ctx); err != nil {
-			g.log.Error("could not read the regressions recorded in the database (is the fence schema at version 7? run fenceproxy migrate); they are learned at the next admission",
+			g.log.Error("could not read the regressions recorded in the database (does it have the fence schema this fenceproxy needs? run fenceproxy migrate); they are learned at the next admission", zap.Int("schema_version", fence.SchemaVersion),
 				zap.Error(err))
 		}
 	}
@@ -382,7 +382,7 @@ func (g *Guard) admitRecorded(ctx context.Context, res, key string, tok int64, h
 		return err
 	})
 	if err != nil {
-		return fence.Unavailable(res, "the database's record of Consul tokens (fence.consul_admit, schema version 7: "+
+		return fence.Unavailable(res, fmt.Sprintf("the database's record of Consul tokens (fence.consul_admit; this fenceproxy needs fence schema version %d: ", fence.SchemaVersion)+
 			"run fenceproxy migrate) could not be updated: "+err.Error())
 	}
 	return g.judge(ctx, res, key, tok, holder, rec)

@@ -46,7 +46,7 @@ func newLeadership(srv *Server) *leadership {
 	l := &leadership{srv: srv, recent: map[string][]time.Time{}, flapping: map[string]bool{},
 		refused: map[[2]string]float64{}, ended: map[string]float64{}}
 	res := []string{"resource"}
-	l.descInfo = prometheus.NewDesc("fenceproxy_resource_info", "1 for each resource, labelled with the lock service that validates its tokens (consul, etcd; database: the database alone orders them).", []string{"resource", "store"}, nil)
+	l.descInfo = prometheus.NewDesc("fenceproxy_resource_info", "1 for each resource, labelled with the authority of its tokens: the lock service that validates them (consul, etcd, zookeeper), postgres (the PostgreSQL lease) or bare (the database orders the tokens clients bring: any client may raise it).", []string{"resource", "store"}, nil)
 	l.descHolder = prometheus.NewDesc("fenceproxy_leader_info", "1 for each resource whose leader's holder is known, labelled with the holder (a Consul session, an etcd lease, a ZooKeeper session) and the name its lock service knows it by (a Consul session's Name; empty when none).", []string{"resource", "holder", "holder_name"}, nil)
 	l.descToken = prometheus.NewDesc("fenceproxy_leader_token", "The highest fencing token this proxy knows to be admitted for the resource (its leader's; 0: none yet).", res, nil)
 	l.descChanges = prometheus.NewDesc("fenceproxy_leader_changes_total", "Moves of the resource's leader to a higher token since the proxy started.", res, nil)
@@ -167,7 +167,7 @@ func (l *leadership) Collect(ch chan<- prometheus.Metric) {
 	now := time.Now()
 	for _, ld := range l.leaders() {
 		r := ld.Resource
-		ch <- prometheus.MustNewConstMetric(l.descInfo, prometheus.GaugeValue, 1, r, storeOf(l.srv.admit, r))
+		ch <- prometheus.MustNewConstMetric(l.descInfo, prometheus.GaugeValue, 1, r, l.srv.storeOf(r))
 		if ld.Holder != "" {
 			ch <- prometheus.MustNewConstMetric(l.descHolder, prometheus.GaugeValue, 1, r, ld.Holder, ld.HolderName)
 		}
