@@ -31,6 +31,11 @@ const (
 // Debian's second PostgreSQL cluster on 5433. Keep the Listen field's default tag the same.
 const DefaultListen = "127.0.0.1:7432"
 
+// DefaultConsulAnswerTimeout is how long a session start waits for Consul by default: a hung
+// Consul then refuses the session in 2 s with its cause, not after the 15 s login timeout
+// with "login timeout".
+const DefaultConsulAnswerTimeout = 2 * time.Second
+
 // Config is the proxy's whole configuration. The zero value of every field
 // means its default. Flags, environment variables (FENCEPROXY_<FLAG>) and the
 // JSON config file all fill this same struct (see cmd/fenceproxy).
@@ -118,7 +123,11 @@ type Config struct {
 	ConsulScheme string `help:"http or https." name:"consul-scheme" default:"http"`
 	// ConsulStartTimeout bounds the check of Consul at start (Guard.Check). 0: 15 s.
 	ConsulStartTimeout time.Duration `help:"At start, how long to wait for Consul to answer before exiting with the cause (an ACL refusal or a wrong scheme exits at once)." name:"consul-start-timeout" default:"15s"`
-	ConsulDownMode     string        `help:"When Consul is unreachable: refuse (no new sessions; default) or trust-database (admit tokens not lower than the stored one)." name:"consul-down" default:"refuse" enum:"refuse,trust-database"`
+	// ConsulAnswerTimeout bounds the consistent read of Consul a session start waits for
+	// (0: DefaultConsulAnswerTimeout); a Consul that does not answer within it refuses the
+	// session (ZF007), well before the login timeout.
+	ConsulAnswerTimeout time.Duration `help:"At a session start, how long to wait for Consul's answer before refusing the session (ZF007, naming Consul); keep it well under --login-timeout." name:"consul-answer-timeout" default:"2s"`
+	ConsulDownMode      string        `help:"When Consul is unreachable: refuse (no new sessions; default) or trust-database (admit tokens not lower than the stored one)." name:"consul-down" default:"refuse" enum:"refuse,trust-database"`
 	// ConsulTokenMode says which number of a lock key is the token: lockindex (the
 	// LockIndex, the default) or create-lock (CreateIndex×2^24+LockIndex, which stays
 	// monotonic when the key is deleted and re-created; see lease.EncodeToken).
@@ -177,6 +186,7 @@ func (c Config) validate() (*settings, error) {
 		{"flap-changes", c.FlapChanges < 0, c.FlapChanges},
 		{"flap-window", c.FlapWindow < 0, c.FlapWindow},
 		{"consul-start-timeout", c.ConsulStartTimeout < 0, c.ConsulStartTimeout},
+		{"consul-answer-timeout", c.ConsulAnswerTimeout < 0, c.ConsulAnswerTimeout},
 	} {
 		if n.negative {
 			return nil, fmt.Errorf("%s %v: must not be negative", n.name, n.value)
@@ -196,6 +206,9 @@ func (c Config) validate() (*settings, error) {
 	}
 	if s.ConnectTimeout <= 0 {
 		s.ConnectTimeout = 5 * time.Second
+	}
+	if s.ConsulAnswerTimeout <= 0 {
+		s.ConsulAnswerTimeout = DefaultConsulAnswerTimeout
 	}
 	if s.MaxClients <= 0 {
 		s.MaxClients = 1000
