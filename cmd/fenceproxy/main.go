@@ -108,17 +108,26 @@ func newLogger(level, format string) (*zap.Logger, zap.AtomicLevel, error) {
 	if err != nil {
 		return nil, lvl, err
 	}
-	cfg := zap.NewProductionConfig()
-	if format == "console" {
-		cfg = zap.NewDevelopmentConfig()
-	}
+	cfg := logConfig(format)
 	cfg.Level = lvl
 	cfg.OutputPaths = []string{"stderr"}
 	cfg.ErrorOutputPaths = []string{"stderr"}
 	cfg.DisableStacktrace = true
-	cfg.EncoderConfig.EncodeTime = zapcore.ISO8601TimeEncoder
 	log, err := cfg.Build()
 	return log, lvl, err
+}
+
+// logConfig is the logger's configuration for format (json or console): ISO 8601 times, and
+// durations with their unit ("10m0s", "1.5s"), where zap's production encoder wrote bare
+// seconds ("window":600).
+func logConfig(format string) zap.Config {
+	cfg := zap.NewProductionConfig()
+	if format == "console" {
+		cfg = zap.NewDevelopmentConfig()
+	}
+	cfg.EncoderConfig.EncodeTime = zapcore.ISO8601TimeEncoder
+	cfg.EncoderConfig.EncodeDuration = zapcore.StringDurationEncoder
+	return cfg
 }
 
 // configJSON is kong.JSON with the file's keys read as the flag names they are documented to

@@ -41,7 +41,10 @@ type ResourceStatus struct {
 	AdmittedAt *time.Time `json:"admitted_at,omitempty"` // when this proxy learned of Token
 	Changes    int64      `json:"changes"`
 	Flapping   bool       `json:"flapping"`
-	Blocked    string     `json:"blocked,omitempty"` // why every session is refused
+	Blocked    string     `json:"blocked,omitempty"` // why every session is refused (fencing unavailable)
+	// Free: nobody holds the resource's lock (no leader; sessions are refused with ZF006 until
+	// one takes it). Normal between leaders: not Blocked.
+	Free bool `json:"free,omitempty"`
 	// Sessions counts the sessions open through this proxy, by token.
 	Sessions map[string]int `json:"sessions"`
 	// Removed: the proxy no longer serves the resource (a reload removed it) and lists it
@@ -99,7 +102,10 @@ func (s *Server) Status(ctx context.Context) Status {
 		if !l.Since.IsZero() {
 			r.AdmittedAt = &l.Since
 		}
-		if l.Blocked != nil {
+		switch {
+		case lockFree(l.Blocked):
+			r.Free = true
+		case l.Blocked != nil:
 			r.Blocked = l.Blocked.Message
 		}
 		for tok, n := range l.Sessions {
