@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -426,16 +427,11 @@ func (as Admitters) Validates(resource string) bool {
 	return false
 }
 
-// plainResource checks that name, from spec of a guard's flag, is a --resource that no
-// other lock service validates (one without a Consul key).
+// plainResource checks that name, from spec of a guard's flag, is a --resource (that no other
+// lock service validates it, validate's declareResources checked).
 func plainResource(s *settings, flag, spec, name string) error {
-	for _, r := range s.resources {
-		if r.Name == name {
-			if r.Key != "" {
-				return fmt.Errorf("%s %q: resource %s is validated against Consul already", flag, spec, name)
-			}
-			return nil
-		}
+	if slices.Contains(s.names, name) {
+		return nil
 	}
 	return fmt.Errorf("%s %q: %s is not a --resource", flag, spec, name)
 }

@@ -43,18 +43,8 @@ func TestFreeLockIsNotBlocked(t *testing.T) {
 // leadershipGauge is the value of reg's gauge name for resource (-1: none).
 func leadershipGauge(t *testing.T, reg *prometheus.Registry, name, resource string) float64 {
 	t.Helper()
-	families, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, f := range families {
-		for _, m := range f.GetMetric() {
-			for _, l := range m.GetLabel() {
-				if f.GetName() == name && l.GetName() == "resource" && l.GetValue() == resource {
-					return m.GetGauge().GetValue()
-				}
-			}
-		}
+	if v, ok := metricValue(t, reg, name, map[string]string{"resource": resource}); ok {
+		return v
 	}
 	return -1
 }
