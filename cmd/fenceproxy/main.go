@@ -276,8 +276,9 @@ func run(args []string) int {
 		if errors.As(err, &ec) {
 			return ec.ExitCode()
 		}
-		// Once, in the log's format (the log goes to stderr).
-		log.Error("fenceproxy failed", zap.Error(err))
+		// Once, as a plain line a person reads (a JSON log line escaped its quotes).
+		log.Sync() //nolint:errcheck // what was logged before comes first
+		fmt.Fprintln(os.Stderr, "fenceproxy:", err)
 		return 1
 	}
 	return 0
