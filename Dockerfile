@@ -2,8 +2,10 @@
 # fenceproxy and the demo's billing program in one image (docker-compose.yml uses it for
 # every service it builds).
 #
-#   docker build -t fenceproxy .
+#   docker build --build-arg VERSION="$(git describe --tags --always --dirty)" -t fenceproxy .
 #   docker run --rm fenceproxy fenceproxy serve --help
+#
+# VERSION is what `fenceproxy version` prints (.git is not sent to the build: .dockerignore).
 
 ARG GO_VERSION=1.26
 ARG DEBIAN=bookworm
@@ -16,7 +18,8 @@ COPY go.mod go.sum ./
 RUN go mod download
 COPY . .
 # Pure Go, static binaries (fenceproxy parses no SQL since fencing v2: no cgo).
-RUN CGO_ENABLED=0 go build -trimpath -ldflags="-s -w" -o /out/fenceproxy ./cmd/fenceproxy \
+ARG VERSION=unknown
+RUN CGO_ENABLED=0 go build -trimpath -ldflags="-s -w -X main.version=${VERSION}" -o /out/fenceproxy ./cmd/fenceproxy \
  && CGO_ENABLED=0 go build -trimpath -ldflags="-s -w" -o /out/billing ./cmd/billing
 
 FROM debian:${DEBIAN}-slim
@@ -29,5 +32,5 @@ COPY --from=build /out/fenceproxy /out/billing /usr/local/bin/
 # named volume mounted here starts as a copy of it, ownership included (docker-compose.yml).
 RUN mkdir -p /var/lib/fenceproxy && chown nobody:nogroup /var/lib/fenceproxy && chmod 0700 /var/lib/fenceproxy
 USER nobody
-EXPOSE 6432
+EXPOSE 7432
 CMD ["fenceproxy", "--help"]

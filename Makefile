@@ -20,8 +20,13 @@ STORE ?= consul
 deps:
 	DEPS_CONSUL=$(if $(filter postgres etcd,$(STORE)),0,1) bash scripts/deps.sh
 
+# The version `fenceproxy version` prints: the nearest tag and the commit, -dirty for a work
+# tree with changes (without git: empty, and the binary falls back to Go's build information).
+VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null)
+LDFLAGS  = -X main.version=$(VERSION)
+
 build:
-	$(GO) build -o bin/fenceproxy ./cmd/fenceproxy
+	$(GO) build -ldflags "$(LDFLAGS)" -o bin/fenceproxy ./cmd/fenceproxy
 	if [ -d cmd/billing ]; then $(GO) build -o bin/billing ./cmd/billing; fi
 
 # The checks run fastest first; `go test ./...` runs last so that its closing line

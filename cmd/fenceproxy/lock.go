@@ -74,7 +74,7 @@ func (c *LockCmd) Run(ctx context.Context, log *zap.Logger) error {
 		return err
 	}
 	defer closeStore()
-	return lease.RunLocked(ctx, lease.RunConfig{
+	err = lease.RunLocked(ctx, lease.RunConfig{
 		Store:       store,
 		Resource:    c.Resource,
 		Command:     command,
@@ -84,6 +84,13 @@ func (c *LockCmd) Run(ctx context.Context, log *zap.Logger) error {
 		Watchdog:    watchdog,
 		Logger:      log,
 	})
+	if err != nil && ctx.Err() != nil && errors.Is(err, ctx.Err()) {
+		// SIGTERM or SIGINT before the lock was won: what a service manager's stop does,
+		// a normal exit (the child, when it ran, reports its own status).
+		log.Info("stopped by SIGTERM or SIGINT before the lock was acquired", zap.String("resource", c.Resource))
+		return nil
+	}
+	return err
 }
 
 // store returns the lease store of c.Store and what closes it.

@@ -3,9 +3,9 @@
 // admitting a higher token ends every session of a lower one.
 //
 //	fenceproxy migrate --database postgres://admin@127.0.0.1:5432/app --key-file proxy.key
-//	fenceproxy serve   --listen 127.0.0.1:6432 --upstream postgres://127.0.0.1:5432 --resource billing --key-file proxy.key
-//	fenceproxy lock    --resource billing --database-url postgres://app@127.0.0.1:6432/app -- ./billing
-//	fenceproxy lock    --store postgres --database postgres://lock@127.0.0.1:5432/app --resource billing --database-url postgres://app@127.0.0.1:6432/app -- ./billing
+//	fenceproxy serve   --listen 127.0.0.1:7432 --upstream postgres://127.0.0.1:5432 --resource billing --key-file proxy.key
+//	fenceproxy lock    --resource billing --database-url postgres://app@127.0.0.1:7432/app -- ./billing
+//	fenceproxy lock    --store postgres --database postgres://lock@127.0.0.1:5432/app --resource billing --database-url postgres://app@127.0.0.1:7432/app -- ./billing
 //
 // Every flag can also be set by an environment variable FENCEPROXY_<FLAG>
 // (for example FENCEPROXY_UPSTREAM) and in a JSON file given with --config
@@ -21,6 +21,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"runtime/debug"
 	"slices"
 	"strings"
 	"syscall"
@@ -32,7 +33,7 @@ import (
 
 // globals are flags every subcommand takes.
 type globals struct {
-	Config    kong.ConfigFlag `help:"JSON configuration file; its keys are the flag names (e.g. {\"listen\": \"127.0.0.1:6432\", \"resource\": [\"billing\"]})." type:"path"`
+	Config    kong.ConfigFlag `help:"JSON configuration file; its keys are the flag names (e.g. {\"listen\": \"127.0.0.1:7432\", \"resource\": [\"billing\"]})." type:"path"`
 	LogLevel  string          `help:"Log level: debug, info, warn, error." default:"info" enum:"debug,info,warn,error"`
 	LogFormat string          `help:"Log format: json or console." default:"json" enum:"json,console"`
 }
@@ -47,16 +48,58 @@ type cli struct {
 	Version VersionCmd `cmd:"" help:"Print the version."`
 }
 
-// version is set at build time with -ldflags "-X main.version=...".
-var version = "dev" //nolint:gochecknoglobals // set by the linker
+// version is stamped at build time with -ldflags "-X main.version=$(git describe --tags
+// --always --dirty)" (make build, the Dockerfile); when it is empty, versionOf finds one in the
+// build information Go records.
+var version string //nolint:gochecknoglobals // set by the linker
 
 // VersionCmd prints the version.
 type VersionCmd struct{}
 
 // Run prints the version.
 func (VersionCmd) Run() error {
-	fmt.Println("fenceproxy", version)
+	fmt.Println("fenceproxy", buildVersion())
 	return nil
+}
+
+// buildVersion is this binary's version (versionOf).
+func buildVersion() string {
+	info, ok := debug.ReadBuildInfo()
+	return versionOf(version, info, ok)
+}
+
+// versionOf is the version to show: the stamped one; else the module's version (go install
+// module@version); else the VCS commit go build and go run record (-dirty when the work tree
+// had changes); else a sentence that says how to get one.
+func versionOf(stamped string, info *debug.BuildInfo, ok bool) string {
+	if stamped != "" {
+		return stamped
+	}
+	if !ok || info == nil {
+		return "unknown (built without build information; build with make build)"
+	}
+	if v := info.Main.Version; v != "" && v != "(devel)" {
+		return v
+	}
+	var rev, modified string
+	for _, s := range info.Settings {
+		switch s.Key {
+		case "vcs.revision":
+			rev = s.Value
+		case "vcs.modified":
+			modified = s.Value
+		}
+	}
+	if rev == "" {
+		return "unknown (built without VCS information; build with make build, or go build inside the git work tree)"
+	}
+	if len(rev) > 12 {
+		rev = rev[:12]
+	}
+	if modified == "true" {
+		rev += "-dirty"
+	}
+	return rev
 }
 
 // newLogger returns the logger and its level, which a reload may change.
@@ -65,17 +108,26 @@ func newLogger(level, format string) (*zap.Logger, zap.AtomicLevel, error) {
 	if err != nil {
 		return nil, lvl, err
 	}
-	cfg := zap.NewProductionConfig()
-	if format == "console" {
-		cfg = zap.NewDevelopmentConfig()
-	}
+	cfg := logConfig(format)
 	cfg.Level = lvl
 	cfg.OutputPaths = []string{"stderr"}
 	cfg.ErrorOutputPaths = []string{"stderr"}
 	cfg.DisableStacktrace = true
-	cfg.EncoderConfig.EncodeTime = zapcore.ISO8601TimeEncoder
 	log, err := cfg.Build()
 	return log, lvl, err
+}
+
+// logConfig is the logger's configuration for format (json or console): ISO 8601 times, and
+// durations with their unit ("10m0s", "1.5s"), where zap's production encoder wrote bare
+// seconds ("window":600).
+func logConfig(format string) zap.Config {
+	cfg := zap.NewProductionConfig()
+	if format == "console" {
+		cfg = zap.NewDevelopmentConfig()
+	}
+	cfg.EncoderConfig.EncodeTime = zapcore.ISO8601TimeEncoder
+	cfg.EncoderConfig.EncodeDuration = zapcore.StringDurationEncoder
+	return cfg
 }
 
 // configJSON is kong.JSON with the file's keys read as the flag names they are documented to
@@ -224,7 +276,8 @@ func run(args []string) int {
 		if errors.As(err, &ec) {
 			return ec.ExitCode()
 		}
-		log.Error("fenceproxy failed", zap.Error(err))
+		// Once, as a plain line a person reads (a JSON log line escaped its quotes).
+		log.Sync() //nolint:errcheck // what was logged before comes first
 		fmt.Fprintln(os.Stderr, "fenceproxy:", err)
 		return 1
 	}

@@ -346,6 +346,8 @@ func TestUsageErrors(t *testing.T) {
 		{"bad resource", serve("--resource", "Bad Name"), 1, "resource"},
 		{"bad unfenced", serve("--unfenced", "sometimes"), 2, "unfenced"},
 		{"upstream with a database", []string{"serve", "--upstream", "postgres://127.0.0.1:1/app"}, 1, "user and database come from each client"},
+		{"upstream without postgres://", []string{"serve", "--upstream", "127.0.0.1:5432"}, 1, "is not a postgres:// URL: write postgres://127.0.0.1:5432"},
+		{"upstream as keywords", []string{"serve", "--upstream", "host=db port=5432"}, 1, "is not a postgres:// URL: write postgres://HOST:PORT"},
 		{"resource without a key file", serve("--resource", "billing"), 1, "key-file is required with resource"},
 		{"missing key file", serve("--resource", "billing", "--key-file", filepath.Join(dir, "missing.key")), 1, "missing.key"},
 		{"malformed key file", serve("--resource", "billing", "--key-file", badKey), 1, "not hex"},
@@ -371,6 +373,9 @@ func TestUsageErrors(t *testing.T) {
 			}
 			if strings.Contains(string(out), "panic") {
 				t.Fatalf("panicked:\n%s", out)
+			}
+			if n := strings.Count(strings.ToLower(string(out)), strings.ToLower(tt.msg)); tt.code == 1 && n != 1 {
+				t.Fatalf("the error is printed %d times, want once:\n%s", n, out)
 			}
 		})
 	}

@@ -101,7 +101,7 @@ func (s *ServeCmd) Run(ctx context.Context, log *zap.Logger, level zap.AtomicLev
 	if err != nil {
 		return err
 	}
-	log.Info("fenceproxy listening", zap.String("listen", ln.Addr().String()), zap.String("upstream", s.Upstream),
+	log.Info("fenceproxy listening", zap.String("version", buildVersion()), zap.String("listen", ln.Addr().String()), zap.String("upstream", s.Upstream),
 		zap.Strings("resources", s.Resources), zap.String("unfenced", s.Unfenced))
 
 	bg, cancelBG := context.WithCancel(context.WithoutCancel(ctx))

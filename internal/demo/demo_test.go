@@ -109,7 +109,7 @@ var (
 func parseDemo(t *testing.T, output string) *demoRun {
 	t.Helper()
 	r := &demoRun{output: output, summary: map[string]int{}, services: map[string]string{}, addrs: map[string]string{}}
-	composeAddr := map[string]string{"PostgreSQL": "postgres:5432", "fenceproxy": "fenceproxy:6432"}
+	composeAddr := map[string]string{"PostgreSQL": "postgres:5432", "fenceproxy": "fenceproxy:7432"}
 	inSummary := false
 	sc := bufio.NewScanner(strings.NewReader(output))
 	for sc.Scan() {
@@ -440,7 +440,7 @@ func TestComposeFile(t *testing.T) {
 				t.Errorf("%s: command %q, want it to end with -- billing", name, svc.Command)
 			}
 			if j := slices.Index(svc.Command, "--database-url"); j < 0 || j+1 >= len(svc.Command) ||
-				!strings.Contains(svc.Command[j+1], "@fenceproxy:6432/") {
+				!strings.Contains(svc.Command[j+1], "@fenceproxy:7432/") {
 				t.Errorf("%s: --database-url must point at the fenceproxy service: %q", name, svc.Command)
 			}
 		}

@@ -41,7 +41,7 @@ func ReadHistory(ctx context.Context, q Querier, resource string, limit int) ([]
 		WHERE $1 = '' OR h.resource = $1
 		ORDER BY h.id DESC LIMIT $2) AS last ORDER BY id`, resource, max(limit, 0))
 	if err != nil {
-		return nil, fmt.Errorf("fence.history (is the fence schema at version 6? fenceproxy migrate): %w", err)
+		return nil, fmt.Errorf("fence.history (this fenceproxy needs fence schema version %d: run fenceproxy migrate): %w", SchemaVersion, err)
 	}
 	return pgx.CollectRows(rows, func(r pgx.CollectableRow) (HistoryEntry, error) {
 		var e HistoryEntry

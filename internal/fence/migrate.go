@@ -18,6 +18,11 @@ import (
 // the proxy calls and goose's version table.
 const Schema = "fence"
 
+// SchemaVersion is the version of the fence schema this fenceproxy needs: its highest
+// migration (migrations/NNNNN_*.sql). Messages that send an operator to `fenceproxy migrate`
+// name it; TestSchemaVersionIsTheLastMigration keeps it in step with the files.
+const SchemaVersion = 10
+
 // versionTable is goose's record of applied migrations. It lives in the fence schema, not in
 // public, so that the product leaves nothing outside its own schema.
 const versionTable = Schema + ".goose_db_version"

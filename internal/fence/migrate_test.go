@@ -204,7 +204,7 @@ func waitBlockedBy(t *testing.T, conn *pgx.Conn, pid uint32) uint32 {
 }
 
 // allVersions are the embedded migrations, in order.
-var allVersions = []int64{1, 2, 3, 4, 5, 6, 7, 8, 9}
+var allVersions = []int64{1, 2, 3, 4, 5, 6, 7, 8, 9, 10}
 
 func TestMigrate(t *testing.T) {
 	c := startSchemaCluster(t)
@@ -260,8 +260,8 @@ func TestMigrate(t *testing.T) {
 				t.Errorf("migration %d (%s) not applied", s.Version, s.Name)
 			}
 		}
-		if last := states[len(states)-1]; last.Version != 9 || last.Name != "00009_store_words.sql" {
-			t.Errorf("last migration %+v, want 00009_store_words.sql", last)
+		if last := states[len(states)-1]; last.Version != fence.SchemaVersion || last.Name != "00010_lease_bind.sql" {
+			t.Errorf("last migration %+v, want 00010_lease_bind.sql", last)
 		}
 
 		// Without a stored key, fencing is unavailable (fail closed), whatever the proof.

@@ -87,10 +87,16 @@ func (k Key) Proof(kind, database, resource string, token int64, pid uint32) str
 // BindQuery, RaiseQuery and SettledQuery are the statements the proxy sends, with a Call's Args as their
 // parameters (extended protocol): never with the proof as a literal, so that the proof does not
 // show in pg_stat_activity.query to the sessions that may read it (proof obligation P5).
+//
+// LeaseBindQuery is the bind of a session of a resource declared as led through the PostgreSQL
+// lease (--lease-resource, schema version 10): refused (ZF006) while the resource has no lease,
+// else fence.bind's; its row is the lease's holder (NULL when the token is not the current
+// generation's) and the stored token.
 const (
-	BindQuery    = "SELECT fence.bind($1, $2, $3)"
-	RaiseQuery   = "SELECT fence.raise($1, $2, $3)"
-	SettledQuery = "SELECT fence.settled($1, $2, $3)"
+	BindQuery      = "SELECT fence.bind($1, $2, $3)"
+	LeaseBindQuery = "SELECT holder, stored FROM fence.lease_bind($1, $2, $3)"
+	RaiseQuery     = "SELECT fence.raise($1, $2, $3)"
+	SettledQuery   = "SELECT fence.settled($1, $2, $3)"
 )
 
 // Call is a bind, a raise or a settled read with its proof: the parameters of its query.

@@ -103,6 +103,13 @@ func FromStartup(s *wire.Startup, known []string) (Credentials, error) {
 		}
 	}
 	if !c.Present {
+		if opts, ok := s.Param("options"); ok && strings.Contains(opts, "+") && strings.Contains(foldName(opts), "fence.") {
+			// libpq and pgx do not decode + as a space in a URL: "-c+fence.token%3D34" is
+			// one word, no fence parameter for the proxy and a bad setting for the server.
+			return c, &Error{Code: CodeMalformed,
+				Message: fmt.Sprintf("fencing parameters not read: options %q uses + where a space belongs", opts),
+				Hint:    "In a connection URL write the spaces of options as %20, not +: ?options=-c%20fence.resource%3Dbilling%20-c%20fence.token%3D34"}
+		}
 		return c, nil
 	}
 	res, hasRes := vals[ParamResource]
@@ -114,7 +121,9 @@ func FromStartup(s *wire.Startup, known []string) (Credentials, error) {
 		if len(known) == 1 {
 			c.Resource = known[0]
 		} else {
-			return c, Missing("fence.token given without fence.resource")
+			return c, &Error{Code: CodeMissing,
+				Message: fmt.Sprintf("fencing resource missing: fence.token given without fence.resource, and this proxy fences %d resources %q", len(known), known),
+				Hint:    "Name the resource the token is for: options='-c fence.resource=NAME -c fence.token=N' (or ?fence.resource=NAME with pgx)."}
 		}
 	} else {
 		c.Resource = res[0]

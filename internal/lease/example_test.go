@@ -30,7 +30,7 @@ func ExampleAcquire() {
 	}
 	// Connect through the proxy with the token; the database refuses this leader's
 	// writes as soon as a later leader's token is admitted.
-	url, _ := lease.FencedURL("postgres://app@127.0.0.1:6432/app", "billing", lock.Token(), sess.ID())
+	url, _ := lease.FencedURL("postgres://app@127.0.0.1:7432/app", "billing", lock.Token(), sess.ID())
 	fmt.Println("leading with", url)
 
 	<-lock.Done() // lost: stop working
@@ -82,7 +82,7 @@ func ExampleRunLocked() {
 		Store:       &lease.ConsulStore{Client: client},
 		Resource:    "billing",
 		Command:     []string{"./billing"},
-		DatabaseURL: "postgres://app@127.0.0.1:6432/app",
+		DatabaseURL: "postgres://app@127.0.0.1:7432/app",
 		OnLost:      lease.OnLostRetry,
 	})
 	var exit *lease.ExitError
@@ -102,7 +102,7 @@ func ExamplePostgresStore() {
 	defer l.Release(context.Background()) //nolint:errcheck // it expires on its own otherwise
 
 	// The generation is the token; the proxy's bind checks it against the lease row.
-	url, _ := lease.FencedURL("postgres://app@127.0.0.1:6432/app", "billing", l.Token(), "")
+	url, _ := lease.FencedURL("postgres://app@127.0.0.1:7432/app", "billing", l.Token(), "")
 	fmt.Println("leading with", url)
 
 	<-l.Done() // lost (taken over, expired, database unreachable past the TTL): stop working

@@ -11,6 +11,8 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.uber.org/zap"
+
+	"github.com/fenceproxy/fenceproxy/internal/fence"
 )
 
 // PostgresStore grants the PostgreSQL lease of migration 5 (fence.leases in the protected
@@ -113,7 +115,7 @@ func (p *PostgresStore) Campaign(ctx context.Context, resource string) (Lease, e
 			hint := ""
 			switch sqlState(err) {
 			case "3F000", "42883":
-				hint = " (is the fence schema of this database at version 5? run fenceproxy migrate)"
+				hint = fmt.Sprintf(" (this fenceproxy needs fence schema version %d in this database: run fenceproxy migrate)", fence.SchemaVersion)
 			case "42501":
 				hint = " (grant this role EXECUTE on fence.lease_acquire, fence.lease_renew and fence.lease_release: README, The PostgreSQL lease)"
 			case "ZF003", "ZF005":

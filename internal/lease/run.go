@@ -246,7 +246,7 @@ func supervise(ctx context.Context, cfg *RunConfig, lock Lease, log *zap.Logger)
 		release(lock, log)
 		return false, &WatchdogError{File: cfg.Watchdog.File, Timeout: cfg.Watchdog.Timeout, Exit: exitResult(werr)}
 	case <-ctx.Done():
-		log.Info("stopping child", zap.Error(ctx.Err()))
+		log.Info("asked to stop (SIGTERM or SIGINT): stopping the child, then releasing the lock")
 		stopGroup(ch, cfg.Grace, log)
 		werr := ch.Reap()
 		release(lock, log)

@@ -90,7 +90,7 @@ func TestRunLocked(t *testing.T) {
 		t.Parallel()
 		dir := t.TempDir()
 		cfg := base("billing", dir, `env > "$DIR/env"`)
-		cfg.DatabaseURL = "postgres://app@127.0.0.1:6432/app?sslmode=disable&options=-c%20search_path%3Dapp%20-c%20fence.token%3D1"
+		cfg.DatabaseURL = "postgres://app@127.0.0.1:7432/app?sslmode=disable&options=-c%20search_path%3Dapp%20-c%20fence.token%3D1"
 		if err := result(t, runLocked(t, testCtx(t), cfg), waitTimeout); err != nil {
 			t.Fatalf("RunLocked: %v", err)
 		}
@@ -346,15 +346,15 @@ func TestFencedURL(t *testing.T) {
 	}{
 		{
 			name:     "no query",
-			base:     "postgres://app@127.0.0.1:6432/app",
-			wantURL:  "postgres://app@127.0.0.1:6432/app?options=-c%20fence.resource%3Dbilling%20-c%20fence.token%3D34",
+			base:     "postgres://app@127.0.0.1:7432/app",
+			wantURL:  "postgres://app@127.0.0.1:7432/app?options=-c%20fence.resource%3Dbilling%20-c%20fence.token%3D34",
 			wantOpts: "-c fence.resource=billing -c fence.token=34",
 		},
 		{
 			name:     "other parameters kept byte for byte",
-			base:     "postgresql://app:p%40ss@127.0.0.1:6432/app?sslmode=disable&application_name=a+b",
+			base:     "postgresql://app:p%40ss@127.0.0.1:7432/app?sslmode=disable&application_name=a+b",
 			session:  "0c7a",
-			wantURL:  "postgresql://app:p%40ss@127.0.0.1:6432/app?sslmode=disable&application_name=a+b&options=-c%20fence.resource%3Dbilling%20-c%20fence.token%3D34%20-c%20fence.session%3D0c7a",
+			wantURL:  "postgresql://app:p%40ss@127.0.0.1:7432/app?sslmode=disable&application_name=a+b&options=-c%20fence.resource%3Dbilling%20-c%20fence.token%3D34%20-c%20fence.session%3D0c7a",
 			wantOpts: "-c fence.resource=billing -c fence.token=34 -c fence.session=0c7a",
 		},
 		{

@@ -27,9 +27,12 @@ type Status struct {
 // ResourceStatus is one resource's leadership as this proxy knows it.
 type ResourceStatus struct {
 	Resource string `json:"resource"`
-	// Store is the lock service that validates the resource's tokens (consul, etcd), or
-	// "database" when the database alone orders them.
+	// Store is the authority of the resource's tokens: the lock service that validates them
+	// (consul, etcd, zookeeper), postgres (the PostgreSQL lease, --lease-resource), or bare.
 	Store string `json:"store"`
+	// Bare: no lock service issues the tokens; the database orders the tokens clients bring,
+	// so any client of the proxy may raise the resource's token (and end its leader's sessions).
+	Bare bool `json:"bare,omitempty"`
 	// Token is the highest token known to be admitted (0: none yet); Holder its holder when
 	// known (a Consul session).
 	Token      int64      `json:"token,string"` // a string: JSON numbers lose precision above 2^53 in a script
@@ -38,7 +41,10 @@ type ResourceStatus struct {
 	AdmittedAt *time.Time `json:"admitted_at,omitempty"` // when this proxy learned of Token
 	Changes    int64      `json:"changes"`
 	Flapping   bool       `json:"flapping"`
-	Blocked    string     `json:"blocked,omitempty"` // why every session is refused
+	Blocked    string     `json:"blocked,omitempty"` // why every session is refused (fencing unavailable)
+	// Free: nobody holds the resource's lock (no leader; sessions are refused with ZF006 until
+	// one takes it). Normal between leaders: not Blocked.
+	Free bool `json:"free,omitempty"`
 	// Sessions counts the sessions open through this proxy, by token.
 	Sessions map[string]int `json:"sessions"`
 	// Removed: the proxy no longer serves the resource (a reload removed it) and lists it
@@ -90,12 +96,16 @@ func (s *Server) Status(ctx context.Context) Status {
 	now := time.Now()
 	names := s.conf().names
 	for _, l := range s.lead.leaders() {
-		r := ResourceStatus{Resource: l.Resource, Store: storeOf(s.admit, l.Resource), Token: l.Token, Holder: l.Holder, HolderName: l.HolderName, Changes: l.Changes,
+		r := ResourceStatus{Resource: l.Resource, Store: s.storeOf(l.Resource), Token: l.Token, Holder: l.Holder, HolderName: l.HolderName, Changes: l.Changes,
 			Flapping: s.lead.isFlapping(l.Resource, now), Sessions: map[string]int{}, Removed: !slices.Contains(names, l.Resource)}
+		r.Bare = r.Store == AuthorityBare
 		if !l.Since.IsZero() {
 			r.AdmittedAt = &l.Since
 		}
-		if l.Blocked != nil {
+		switch {
+		case lockFree(l.Blocked):
+			r.Free = true
+		case l.Blocked != nil:
 			r.Blocked = l.Blocked.Message
 		}
 		for tok, n := range l.Sessions {

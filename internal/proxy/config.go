@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/url"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -24,12 +25,23 @@ const (
 	UnfencedAllow    = "allow"
 )
 
+// DefaultListen is the client-facing address when none is configured. Its port, 7432, is one
+// that no common PostgreSQL tool takes by default, so that fenceproxy can run next to them on
+// one host: PgBouncer, PgDog, pgcat and Odyssey listen on 6432, Supavisor on 6543, and
+// Debian's second PostgreSQL cluster on 5433. Keep the Listen field's default tag the same.
+const DefaultListen = "127.0.0.1:7432"
+
+// DefaultConsulAnswerTimeout is how long a session start waits for Consul by default: a hung
+// Consul then refuses the session in 2 s with its cause, not after the 15 s login timeout
+// with "login timeout".
+const DefaultConsulAnswerTimeout = 2 * time.Second
+
 // Config is the proxy's whole configuration. The zero value of every field
 // means its default. Flags, environment variables (FENCEPROXY_<FLAG>) and the
 // JSON config file all fill this same struct (see cmd/fenceproxy).
 type Config struct {
-	// Listen is the client-facing address, HOST:PORT. Default 127.0.0.1:6432.
-	Listen string `help:"Address to accept clients on, HOST:PORT." default:"127.0.0.1:6432"`
+	// Listen is the client-facing address, HOST:PORT. Default 127.0.0.1:7432 (DefaultListen).
+	Listen string `help:"Address to accept clients on, HOST:PORT." default:"127.0.0.1:7432"`
 	// Upstream is the PostgreSQL server: postgres://HOST:PORT, or
 	// postgres:///?host=/socket/dir&port=5432 for a Unix socket. User and
 	// database come from each client's startup message, never from here.
@@ -61,8 +73,15 @@ type Config struct {
 	ShutdownGrace time.Duration `help:"How long sessions may finish after SIGTERM before they are closed." default:"30s"`
 
 	// Resources are the fenced resources, NAME or NAME=CONSUL_KEY. In an
-	// environment variable, separate them with commas.
-	Resources []string `help:"Fenced resource, NAME or NAME=CONSUL_KEY (repeatable)." name:"resource" sep:","`
+	// environment variable, separate them with commas. A NAME without a Consul key that is
+	// no --lease-resource, --etcd-resource or --zk-resource is a bare-token resource: the
+	// database orders the tokens clients bring, and any client of the proxy may raise it.
+	Resources []string `help:"Fenced resource, NAME or NAME=CONSUL_KEY (repeatable). A NAME that no lock service validates (not a --lease-resource, --etcd-resource or --zk-resource, no CONSUL_KEY) is a bare-token resource: any client of the proxy may raise its token." name:"resource" sep:","`
+	// LeaseResources are the resources led through the PostgreSQL lease (fenceproxy lock
+	// --store postgres): their sessions are bound with fence.lease_bind, which admits no
+	// token before the lease exists. Each is also a resource (listing it in Resources too is
+	// allowed).
+	LeaseResources []string `help:"Resource led through the PostgreSQL lease (fenceproxy lock --store postgres), NAME (repeatable; implies --resource NAME): no token is admitted until its lease exists." name:"lease-resource" sep:","`
 	// Unfenced is the policy for sessions without fence parameters:
 	// reject (default), readonly or allow.
 	Unfenced string `help:"Sessions without a token: reject, readonly (best effort: default_transaction_read_only, which a client can turn off; use a role without write privileges to enforce it) or allow." default:"reject" enum:"reject,readonly,allow"`
@@ -104,7 +123,11 @@ type Config struct {
 	ConsulScheme string `help:"http or https." name:"consul-scheme" default:"http"`
 	// ConsulStartTimeout bounds the check of Consul at start (Guard.Check). 0: 15 s.
 	ConsulStartTimeout time.Duration `help:"At start, how long to wait for Consul to answer before exiting with the cause (an ACL refusal or a wrong scheme exits at once)." name:"consul-start-timeout" default:"15s"`
-	ConsulDownMode     string        `help:"When Consul is unreachable: refuse (no new sessions; default) or trust-database (admit tokens not lower than the stored one)." name:"consul-down" default:"refuse" enum:"refuse,trust-database"`
+	// ConsulAnswerTimeout bounds the consistent read of Consul a session start waits for
+	// (0: DefaultConsulAnswerTimeout); a Consul that does not answer within it refuses the
+	// session (ZF007), well before the login timeout.
+	ConsulAnswerTimeout time.Duration `help:"At a session start, how long to wait for Consul's answer before refusing the session (ZF007, naming Consul); keep it well under --login-timeout." name:"consul-answer-timeout" default:"2s"`
+	ConsulDownMode      string        `help:"When Consul is unreachable: refuse (no new sessions; default) or trust-database (admit tokens not lower than the stored one)." name:"consul-down" default:"refuse" enum:"refuse,trust-database"`
 	// ConsulTokenMode says which number of a lock key is the token: lockindex (the
 	// LockIndex, the default) or create-lock (CreateIndex×2^24+LockIndex, which stays
 	// monotonic when the key is deleted and re-created; see lease.EncodeToken).
@@ -123,7 +146,14 @@ type Config struct {
 type Resource struct {
 	Name string
 	Key  string // Consul lock key, empty when not validated against Consul
+	// Authority is who issues the resource's tokens: one of the lease.Store* names (consul,
+	// postgres, etcd, zookeeper) or AuthorityBare.
+	Authority string
 }
+
+// AuthorityBare is the authority of a resource no lock service validates: the database orders
+// the tokens clients bring, and any client of the proxy may raise the resource's token.
+const AuthorityBare = "bare"
 
 // upstreamAddr is where and how to dial the server.
 type upstreamAddr struct {
@@ -156,13 +186,14 @@ func (c Config) validate() (*settings, error) {
 		{"flap-changes", c.FlapChanges < 0, c.FlapChanges},
 		{"flap-window", c.FlapWindow < 0, c.FlapWindow},
 		{"consul-start-timeout", c.ConsulStartTimeout < 0, c.ConsulStartTimeout},
+		{"consul-answer-timeout", c.ConsulAnswerTimeout < 0, c.ConsulAnswerTimeout},
 	} {
 		if n.negative {
 			return nil, fmt.Errorf("%s %v: must not be negative", n.name, n.value)
 		}
 	}
 	if s.Listen == "" {
-		s.Listen = "127.0.0.1:6432"
+		s.Listen = DefaultListen
 	}
 	if s.StaleWait <= 0 {
 		s.StaleWait = staleWait
@@ -175,6 +206,9 @@ func (c Config) validate() (*settings, error) {
 	}
 	if s.ConnectTimeout <= 0 {
 		s.ConnectTimeout = 5 * time.Second
+	}
+	if s.ConsulAnswerTimeout <= 0 {
+		s.ConsulAnswerTimeout = DefaultConsulAnswerTimeout
 	}
 	if s.MaxClients <= 0 {
 		s.MaxClients = 1000
@@ -212,18 +246,8 @@ func (c Config) validate() (*settings, error) {
 	default:
 		return nil, fmt.Errorf("unfenced: %q is not reject, readonly or allow", s.Unfenced)
 	}
-	for _, r := range s.Resources {
-		name, key, _ := strings.Cut(r, "=")
-		if !fence.ValidResource(name) {
-			return nil, fmt.Errorf("resource %q: the name must match ^[a-z][a-z0-9_.-]{0,62}$", name)
-		}
-		for _, x := range s.resources {
-			if x.Name == name {
-				return nil, fmt.Errorf("resource %q configured twice", name)
-			}
-		}
-		s.resources = append(s.resources, Resource{Name: name, Key: key})
-		s.names = append(s.names, name)
+	if err := s.declareResources(); err != nil {
+		return nil, err
 	}
 	if len(s.Key) == 0 && s.KeyFile != "" {
 		k, err := fence.LoadKey(s.KeyFile)
@@ -252,17 +276,93 @@ func (c Config) validate() (*settings, error) {
 	return s, nil
 }
 
+// declareResources fills s.resources from --resource and --lease-resource, each with its
+// authority: Consul for NAME=KEY, the PostgreSQL lease, etcd or ZooKeeper when the resource is
+// one of theirs, bare otherwise. A resource has one authority.
+func (s *settings) declareResources() error {
+	named := func(specs []string) map[string]bool {
+		m := map[string]bool{}
+		for _, spec := range specs {
+			name, _, _ := strings.Cut(spec, "=")
+			m[name] = true
+		}
+		return m
+	}
+	leased, etcd, zk := named(s.LeaseResources), named(s.EtcdResources), named(s.ZKResources)
+	add := func(name, key string) error {
+		if !fence.ValidResource(name) {
+			return fmt.Errorf("resource %q: the name must match ^[a-z][a-z0-9_.-]{0,62}$", name)
+		}
+		for _, x := range s.resources {
+			if x.Name == name {
+				return fmt.Errorf("resource %q configured twice", name)
+			}
+		}
+		r := Resource{Name: name, Key: key, Authority: AuthorityBare}
+		var by []string
+		if key != "" {
+			r.Authority, by = lease.StoreConsul, append(by, "a Consul key ("+key+")")
+		}
+		if leased[name] {
+			r.Authority, by = lease.StorePostgres, append(by, "--lease-resource")
+		}
+		if etcd[name] {
+			r.Authority, by = lease.StoreEtcd, append(by, "--etcd-resource")
+		}
+		if zk[name] {
+			r.Authority, by = lease.StoreZooKeeper, append(by, "--zk-resource")
+		}
+		if len(by) > 1 {
+			return fmt.Errorf("resource %q is declared with %s: a resource's tokens come from one lock service; keep one", name, strings.Join(by, " and "))
+		}
+		s.resources = append(s.resources, r)
+		s.names = append(s.names, name)
+		return nil
+	}
+	for _, r := range s.Resources {
+		name, key, _ := strings.Cut(r, "=")
+		if err := add(name, key); err != nil {
+			return err
+		}
+	}
+	for _, name := range s.LeaseResources {
+		if slices.Contains(s.names, name) {
+			continue // also given as --resource NAME
+		}
+		if err := add(name, ""); err != nil {
+			return fmt.Errorf("lease-resource: %w", err)
+		}
+	}
+	return nil
+}
+
+// authority is resource's declared authority ("" when the proxy does not serve it).
+func (l *live) authority(resource string) string {
+	for _, r := range l.resources {
+		if r.Name == resource {
+			return r.Authority
+		}
+	}
+	return ""
+}
+
 func parseUpstream(raw, sslmode, rootCert string) (upstreamAddr, error) {
 	var a upstreamAddr
 	if raw == "" {
 		return a, errors.New("upstream is required (postgres://HOST:PORT)")
 	}
+	if !strings.HasPrefix(raw, "postgres://") && !strings.HasPrefix(raw, "postgresql://") {
+		// A bare HOST:PORT, or a keyword/value string, is no URL: url.Parse's own words
+		// ("first path segment in URL cannot contain colon") do not say what to write.
+		example := "postgres://HOST:PORT"
+		if h, p, err := net.SplitHostPort(raw); err == nil {
+			example = "postgres://" + net.JoinHostPort(h, p)
+		}
+		return a, fmt.Errorf("upstream %q is not a postgres:// URL: write %s (or postgres:///?host=/socket/dir&port=5432 for a Unix socket)", raw, example)
+	}
 	u, err := url.Parse(raw)
 	if err != nil {
-		return a, fmt.Errorf("upstream: %w", err)
-	}
-	if u.Scheme != "postgres" && u.Scheme != "postgresql" {
-		return a, fmt.Errorf("upstream %q: scheme must be postgres://", raw)
+		return a, fmt.Errorf("upstream %q is not a valid URL (%w): write postgres://HOST:PORT", raw, err)
 	}
 	if u.User != nil || (u.Path != "" && u.Path != "/") {
 		return a, fmt.Errorf("upstream %q: user and database come from each client; give only host and port", raw)

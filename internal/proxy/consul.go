@@ -82,6 +82,8 @@ type Guard struct {
 	key            fence.Key     // the proxy key, for the raise's proof
 	metrics        *guardMetrics
 	mode           lease.TokenMode // which number of a key is the token
+	addr           string          // Consul's address, for the messages
+	answerTimeout  time.Duration   // how long a session start waits for Consul (--consul-answer-timeout)
 
 	raiseMu sync.Mutex // one raise at a time per Guard: they go in the order of the hand-overs
 
@@ -163,7 +165,7 @@ func NewGuard(ctx context.Context, cfg Config, opts GuardOptions) (*Guard, error
 		return nil, err
 	}
 	g := &Guard{reg: opts.Registry, log: opts.Logger, keys: map[string]string{}, byKey: map[string]string{}, downMode: s.ConsulDownMode, requireSession: s.ConsulRequireSession, key: s.Key,
-		reported: map[string]*lease.RegressionError{}}
+		reported: map[string]*lease.RegressionError{}, addr: s.ConsulAddr, answerTimeout: s.ConsulAnswerTimeout}
 	if g.log == nil {
 		g.log = zap.NewNop()
 	}
@@ -241,7 +243,7 @@ func (g *Guard) Run(ctx context.Context) error {
 		go func() { defer close(resets); g.followResets(ctx, g.control) }()
 		defer func() { <-resets }()
 		if err := g.loadRegressions(ctx); err != nil {
-			g.log.Error("could not read the regressions recorded in the database (is the fence schema at version 7? run fenceproxy migrate); they are learned at the next admission",
+			g.log.Error("could not read the regressions recorded in the database (does it have the fence schema this fenceproxy needs? run fenceproxy migrate); they are learned at the next admission", zap.Int("schema_version", fence.SchemaVersion),
 				zap.Error(err))
 		}
 	}
@@ -317,7 +319,9 @@ func (g *Guard) AdmitHolder(ctx context.Context, c fence.Credentials) (string, e
 			Message: fmt.Sprintf("fencing session missing: resource %q is validated by Consul and this proxy requires fence.session (--consul-require-session): set it to the Consul session ID that holds the lock", c.Resource),
 			Hint:    "fenceproxy lock puts it in DATABASE_URL and FENCE_SESSION; see the README's token table."}
 	}
-	st, err := g.watcher.Validate(ctx, key, c.Token, c.Session)
+	vctx, cancel := context.WithTimeout(ctx, g.answerTimeout)
+	st, err := g.watcher.Validate(vctx, key, c.Token, c.Session)
+	cancel()
 	if err == nil {
 		return st.Session, g.admitRecorded(ctx, c.Resource, key, c.Token, st.Session)
 	}
@@ -350,9 +354,22 @@ func (g *Guard) AdmitHolder(ctx context.Context, c fence.Credentials) (string, e
 				zap.String("resource", c.Resource), zap.Int64("token", c.Token))
 			return "", nil
 		}
-		return "", fence.Unavailable(c.Resource, "Consul's lock state is unknown ("+err.Error()+"); no token is admitted without Consul's word")
+		return "", g.unreachable(c.Resource, errors.Is(vctx.Err(), context.DeadlineExceeded), err)
 	}
 	return "", fence.Unavailable(c.Resource, err.Error())
+}
+
+// unreachable is the refusal of a session whose token Consul did not confirm (ErrUnavailable):
+// it names Consul, says whether it did not answer in time, and what to do.
+func (g *Guard) unreachable(resource string, timedOut bool, err error) *fence.Error {
+	why := "Consul at " + g.addr + " is unreachable (" + err.Error() + ")"
+	if timedOut {
+		why = fmt.Sprintf("Consul at %s did not answer within %s (--consul-answer-timeout): it is unreachable or hung", g.addr, g.answerTimeout)
+	}
+	fe := fence.Unavailable(resource, why+"; no token is admitted without Consul's word")
+	fe.Hint = "Check that Consul is up and answers from this host (consul members; curl " + g.addr + "/v1/status/leader). " +
+		"To admit tokens on the database's word while Consul is down, run the proxy with --consul-down trust-database (README: When Consul is unreachable)."
+	return fe
 }
 
 // Judge decides for a session's bind what the record of its own database (fence.consul_admit,
@@ -382,7 +399,7 @@ func (g *Guard) admitRecorded(ctx context.Context, res, key string, tok int64, h
 		return err
 	})
 	if err != nil {
-		return fence.Unavailable(res, "the database's record of Consul tokens (fence.consul_admit, schema version 7: "+
+		return fence.Unavailable(res, fmt.Sprintf("the database's record of Consul tokens (fence.consul_admit; this fenceproxy needs fence schema version %d: ", fence.SchemaVersion)+
 			"run fenceproxy migrate) could not be updated: "+err.Error())
 	}
 	return g.judge(ctx, res, key, tok, holder, rec)

@@ -61,7 +61,7 @@ func (g *Guard) listenResets(ctx context.Context, url string) error {
 	// names a reset recorded after this point.
 	var seen int64
 	if err := conn.QueryRow(ctx, "SELECT coalesce(max(id), 0) FROM fence.history WHERE reset").Scan(&seen); err != nil {
-		return fmt.Errorf("fence.history (schema version 6): %w", err)
+		return fmt.Errorf("fence.history (this fenceproxy needs fence schema version %d: run fenceproxy migrate): %w", fence.SchemaVersion, err)
 	}
 	for {
 		n, err := conn.WaitForNotification(ctx)

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -160,7 +161,7 @@ func (g *EtcdGuard) record(ctx context.Context, res string, l etcdLeader) error 
 		return err
 	})
 	if err != nil {
-		return fence.Unavailable(res, "the database's record of admitted tokens (fence.consul_admit, schema version 7: "+
+		return fence.Unavailable(res, fmt.Sprintf("the database's record of admitted tokens (fence.consul_admit; this fenceproxy needs fence schema version %d: ", fence.SchemaVersion)+
 			"run fenceproxy migrate) could not be updated: "+err.Error())
 	}
 	if rec.Admits(l.rev, holder) {
@@ -426,16 +427,11 @@ func (as Admitters) Validates(resource string) bool {
 	return false
 }
 
-// plainResource checks that name, from spec of a guard's flag, is a --resource that no
-// other lock service validates (one without a Consul key).
+// plainResource checks that name, from spec of a guard's flag, is a --resource (that no other
+// lock service validates it, validate's declareResources checked).
 func plainResource(s *settings, flag, spec, name string) error {
-	for _, r := range s.resources {
-		if r.Name == name {
-			if r.Key != "" {
-				return fmt.Errorf("%s %q: resource %s is validated against Consul already", flag, spec, name)
-			}
-			return nil
-		}
+	if slices.Contains(s.names, name) {
+		return nil
 	}
 	return fmt.Errorf("%s %q: %s is not a --resource", flag, spec, name)
 }

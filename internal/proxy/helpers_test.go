@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
 	"github.com/fenceproxy/fenceproxy/internal/proxy"
@@ -140,4 +141,33 @@ func wantSessionOver(t *testing.T, conn *pgx.Conn, code string) {
 	if !conn.IsClosed() {
 		t.Fatal("the ended session's connection is still open after three statements")
 	}
+}
+
+// metricValue is the value (counter or gauge) of reg's metric name whose labels include want,
+// and whether there is one.
+func metricValue(t *testing.T, reg *prometheus.Registry, name string, want map[string]string) (float64, bool) {
+	t.Helper()
+	families, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range families {
+		if f.GetName() != name {
+			continue
+		}
+		for _, m := range f.GetMetric() {
+			labels := map[string]string{}
+			for _, l := range m.GetLabel() {
+				labels[l.GetName()] = l.GetValue()
+			}
+			match := true
+			for k, v := range want {
+				match = match && labels[k] == v
+			}
+			if match {
+				return m.GetCounter().GetValue() + m.GetGauge().GetValue(), true
+			}
+		}
+	}
+	return 0, false
 }

@@ -39,30 +39,39 @@ type leadership struct {
 	refused  map[[2]string]float64
 	ended    map[string]float64 // resource -> sessions ended stale
 
-	descInfo, descHolder, descToken, descChanges, descLast, descFlap, descSessions, descBlocked, descRefused, descEnded *prometheus.Desc
+	descInfo, descHolder, descToken, descChanges, descLast, descFlap, descSessions, descBlocked, descFree, descRefused, descEnded *prometheus.Desc
 }
 
 func newLeadership(srv *Server) *leadership {
 	l := &leadership{srv: srv, recent: map[string][]time.Time{}, flapping: map[string]bool{},
 		refused: map[[2]string]float64{}, ended: map[string]float64{}}
 	res := []string{"resource"}
-	l.descInfo = prometheus.NewDesc("fenceproxy_resource_info", "1 for each resource, labelled with the lock service that validates its tokens (consul, etcd; database: the database alone orders them).", []string{"resource", "store"}, nil)
+	l.descInfo = prometheus.NewDesc("fenceproxy_resource_info", "1 for each resource, labelled with the authority of its tokens: the lock service that validates them (consul, etcd, zookeeper), postgres (the PostgreSQL lease) or bare (the database orders the tokens clients bring: any client may raise it).", []string{"resource", "store"}, nil)
 	l.descHolder = prometheus.NewDesc("fenceproxy_leader_info", "1 for each resource whose leader's holder is known, labelled with the holder (a Consul session, an etcd lease, a ZooKeeper session) and the name its lock service knows it by (a Consul session's Name; empty when none).", []string{"resource", "holder", "holder_name"}, nil)
 	l.descToken = prometheus.NewDesc("fenceproxy_leader_token", "The highest fencing token this proxy knows to be admitted for the resource (its leader's; 0: none yet).", res, nil)
 	l.descChanges = prometheus.NewDesc("fenceproxy_leader_changes_total", "Moves of the resource's leader to a higher token since the proxy started.", res, nil)
 	l.descLast = prometheus.NewDesc("fenceproxy_leader_last_change_timestamp_seconds", "When this proxy learned of the resource's current leader token (Unix time).", res, nil)
 	l.descFlap = prometheus.NewDesc("fenceproxy_leader_flapping", "1 while the resource's leader changed more than --flap-changes times within --flap-window.", res, nil)
 	l.descSessions = prometheus.NewDesc("fenceproxy_resource_sessions", "Fenced sessions open through this proxy, by resource and token.", []string{"resource", "token"}, nil)
-	l.descBlocked = prometheus.NewDesc("fenceproxy_resource_blocked", "1 while every session of the resource is refused (lock not held, or fencing unavailable).", res, nil)
+	l.descBlocked = prometheus.NewDesc("fenceproxy_resource_blocked", "1 while every session of the resource is refused because fencing is unavailable (a token regression, or the lock's state unknown); a free lock is fenceproxy_lock_free, not this.", res, nil)
+	l.descFree = prometheus.NewDesc("fenceproxy_lock_free", "1 while nobody holds the resource's lock: no leader, sessions refused with ZF006 until one takes it (normal between leaders and when nothing runs).", res, nil)
 	l.descRefused = prometheus.NewDesc("fenceproxy_resource_refusals_total", "Fenced sessions refused at their start, by resource and SQLSTATE (ZF001: a stale token).", []string{"resource", "sqlstate"}, nil)
 	l.descEnded = prometheus.NewDesc("fenceproxy_resource_stale_sessions_ended_total", "Fenced sessions that ended after a higher token was admitted for their resource.", res, nil)
 	srv.reg.SetOnChange(l.changed)
 	return l
 }
 
-// changed runs at each leader change the registry sees.
+// lockFree reports whether a resource's block (nil: none) is its lock being free (ZF006), the
+// normal state between leaders, not a failure.
+func lockFree(blocked *fence.Error) bool { return blocked != nil && blocked.Code == fence.CodeNotHeld }
+
+// changed runs at each leader change the registry sees: of this proxy's resources only (the
+// registry also learns of other proxies' resources through the control database).
 func (l *leadership) changed(c fence.Change) {
 	conf := l.srv.conf()
+	if !slices.Contains(conf.names, c.Resource) {
+		return
+	}
 	l.mu.Lock()
 	times := append(l.recent[c.Resource], c.At)
 	times = slices.DeleteFunc(times, func(t time.Time) bool { return c.At.Sub(t) > conf.flapWindow })
@@ -157,7 +166,7 @@ func (l *leadership) leaders() []fence.Leader {
 
 // Describe implements prometheus.Collector.
 func (l *leadership) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{l.descInfo, l.descHolder, l.descToken, l.descChanges, l.descLast, l.descFlap, l.descSessions, l.descBlocked, l.descRefused, l.descEnded} {
+	for _, d := range []*prometheus.Desc{l.descInfo, l.descHolder, l.descToken, l.descChanges, l.descLast, l.descFlap, l.descSessions, l.descBlocked, l.descFree, l.descRefused, l.descEnded} {
 		ch <- d
 	}
 }
@@ -167,7 +176,7 @@ func (l *leadership) Collect(ch chan<- prometheus.Metric) {
 	now := time.Now()
 	for _, ld := range l.leaders() {
 		r := ld.Resource
-		ch <- prometheus.MustNewConstMetric(l.descInfo, prometheus.GaugeValue, 1, r, storeOf(l.srv.admit, r))
+		ch <- prometheus.MustNewConstMetric(l.descInfo, prometheus.GaugeValue, 1, r, l.srv.storeOf(r))
 		if ld.Holder != "" {
 			ch <- prometheus.MustNewConstMetric(l.descHolder, prometheus.GaugeValue, 1, r, ld.Holder, ld.HolderName)
 		}
@@ -177,7 +186,8 @@ func (l *leadership) Collect(ch chan<- prometheus.Metric) {
 			ch <- prometheus.MustNewConstMetric(l.descLast, prometheus.GaugeValue, float64(ld.Since.UnixNano())/1e9, r)
 		}
 		ch <- prometheus.MustNewConstMetric(l.descFlap, prometheus.GaugeValue, b2f(l.isFlapping(r, now)), r)
-		ch <- prometheus.MustNewConstMetric(l.descBlocked, prometheus.GaugeValue, b2f(ld.Blocked != nil), r)
+		ch <- prometheus.MustNewConstMetric(l.descBlocked, prometheus.GaugeValue, b2f(ld.Blocked != nil && !lockFree(ld.Blocked)), r)
+		ch <- prometheus.MustNewConstMetric(l.descFree, prometheus.GaugeValue, b2f(lockFree(ld.Blocked)), r)
 		for tok, n := range ld.Sessions {
 			ch <- prometheus.MustNewConstMetric(l.descSessions, prometheus.GaugeValue, float64(n), r, strconv.FormatInt(tok, 10))
 		}

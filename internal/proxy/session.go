@@ -21,6 +21,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
+	"github.com/fenceproxy/fenceproxy/internal/lease"
 	"github.com/fenceproxy/fenceproxy/internal/wire"
 )
 
@@ -56,6 +57,7 @@ type session struct {
 	database      string // the database the session connects to (the registry's key, the proof's)
 	consulChecked bool   // the token was validated against Consul
 	holder        string // the lock's holder the admitter showed with the token ("" if none): recorded by the bind
+	leaseBind     bool   // bound with fence.lease_bind (a --lease-resource): its row starts with the lease's holder
 	sub           *fence.Subscription
 
 	// stale is set when a higher token was admitted for the session's
@@ -669,6 +671,11 @@ func (sess *session) bindCall() (string, [][]byte, error) {
 		return fence.ConsulBindQuery, args, err
 	}
 	call, err := k.BindCall(sess.database, c.Resource, c.Token, sess.pid)
+	if sess.srv.conf().authority(c.Resource) == lease.StorePostgres {
+		// No token before the lease exists (fence.lease_bind, L10 of migration 10).
+		sess.leaseBind = true
+		return fence.LeaseBindQuery, call.Args(), err
+	}
 	return fence.BindQuery, call.Args(), err
 }
 
@@ -696,8 +703,8 @@ func (sess *session) bound(ctx context.Context, row [][]byte, serverErr *pgproto
 		}
 		switch serverErr.Code {
 		case "42883", "3F000", "42P01", "42501": // undefined function, schema or table; no privilege
-			return fatalf(fence.CodeUnavailable, "fenceproxy could not bind the session to fencing token %d of resource %q: %s (SQLSTATE %s); is the fence schema at version 4 in this database (fenceproxy migrate) and may this role execute fence.bind?",
-				c.Token, c.Resource, serverErr.Message, serverErr.Code)
+			return fatalf(fence.CodeUnavailable, "fenceproxy could not bind the session to fencing token %d of resource %q: %s (SQLSTATE %s); this fenceproxy needs fence schema version %d in this database (run fenceproxy migrate), and this role must be allowed to execute the fence schema's functions",
+				c.Token, c.Resource, serverErr.Message, serverErr.Code, fence.SchemaVersion)
 		}
 		// Another cause (e.g. 08P01 in a replication connection, which takes no extended
 		// query): the server's own words.
@@ -708,7 +715,7 @@ func (sess *session) bound(ctx context.Context, row [][]byte, serverErr *pgproto
 	if sess.holder != "" {
 		// recorded, recorded holder, regression, stored (ConsulBindQuery)
 		if len(row) != 4 {
-			return fatalf(fence.CodeUnavailable, "fenceproxy could not read the database's record of Consul tokens for resource %q (fence schema version 8 or later: fenceproxy migrate)", c.Resource)
+			return fatalf(fence.CodeUnavailable, "fenceproxy could not read the database's record of Consul tokens for resource %q: this fenceproxy needs fence schema version %d (run fenceproxy migrate)", c.Resource, fence.SchemaVersion)
 		}
 		rec := fence.ConsulRecord{Holder: string(row[1]), Regression: string(row[2])}
 		rec.Token, _ = strconv.ParseInt(string(row[0]), 10, 64)
@@ -726,6 +733,15 @@ func (sess *session) bound(ctx context.Context, row [][]byte, serverErr *pgproto
 		}
 		row = row[3:]
 	}
+	var leaseHolder string
+	if sess.leaseBind {
+		// holder (NULL unless the token is the lease's current generation), stored
+		if len(row) != 2 {
+			return fatalf(fence.CodeUnavailable, "fenceproxy could not read fence.lease_bind's answer for resource %q: this fenceproxy needs fence schema version %d (run fenceproxy migrate)", c.Resource, fence.SchemaVersion)
+		}
+		leaseHolder = string(row[0])
+		row = row[1:]
+	}
 	if len(row) == 1 && row[0] != nil {
 		stored, _ = strconv.ParseInt(string(row[0]), 10, 64)
 	}
@@ -734,7 +750,7 @@ func (sess *session) bound(ctx context.Context, row [][]byte, serverErr *pgproto
 	}
 	sess.srv.reg.Observe(sess.database, c.Resource, stored)
 	// Consul's word on the holder (the session from the consistent read) before the client's.
-	sess.srv.reg.SetHolder(c.Resource, c.Token, cmp.Or(sess.holder, c.Session))
+	sess.srv.reg.SetHolder(c.Resource, c.Token, cmp.Or(sess.holder, leaseHolder, c.Session))
 	if stored > c.Token { // fence.bind refuses this itself; never trust one side alone
 		return fatalFence(fence.Stale(c.Resource, c.Token, stored))
 	}

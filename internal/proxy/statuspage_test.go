@@ -57,7 +57,7 @@ func TestStatusPageInBrowser(t *testing.T) {
 		return string(out)
 	}
 	var dom string
-	want := []string{`<td>billing</td><td class="num token">2</td>`, `token 2: 2`,
+	want := []string{`<td class="bare">billing (bare token: any client of the proxy may raise it)</td><td class="num token">2</td>`, `token 2: 2`,
 		`1 → 2`, `ZF001`, `stale fencing token: resource "billing" token 1 is lower than the highest admitted token 2`, `class="ok">ready`}
 	// The page fills itself in asynchronously: on a loaded machine a first load may be dumped
 	// before its fetches answered, so try a few times.

@@ -7,10 +7,6 @@ import (
 	"github.com/fenceproxy/fenceproxy/internal/lease"
 )
 
-// StoreDatabase names a resource whose tokens no lock service validates: the database alone
-// orders them (the PostgreSQL lease's generations, or tokens the application brings).
-const StoreDatabase = "database"
-
 // storeGuard is an Admitter that validates some resources' tokens against a lock service.
 type storeGuard interface {
 	// guards reports whether the service validates resource's tokens. (Not Validates:
@@ -79,12 +75,16 @@ func guardOf(a Admitter, resource string) storeGuard {
 	return nil
 }
 
-// storeOf names the lock service that validates resource's tokens.
-func storeOf(a Admitter, resource string) string {
-	if g := guardOf(a, resource); g != nil {
+// storeOf names the authority of resource's tokens: the lock service that validates them
+// (consul, etcd, zookeeper), postgres for a --lease-resource, or AuthorityBare.
+func (s *Server) storeOf(resource string) string {
+	if g := guardOf(s.admit, resource); g != nil {
 		return g.store()
 	}
-	return StoreDatabase
+	if a := s.conf().authority(resource); a != "" && a != lease.StoreConsul {
+		return a
+	}
+	return AuthorityBare
 }
 
 // judgeRecord is what a record rec of the database that does not admit token, which the

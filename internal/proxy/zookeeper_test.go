@@ -173,25 +173,8 @@ func TestZooKeeperGuard(t *testing.T) {
 // when it has none.
 func gathered(t *testing.T, reg *prometheus.Registry, name, resource string) float64 {
 	t.Helper()
-	families, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, f := range families {
-		if f.GetName() != name {
-			continue
-		}
-		for _, m := range f.GetMetric() {
-			labels := map[string]string{}
-			for _, l := range m.GetLabel() {
-				labels[l.GetName()] = l.GetValue()
-			}
-			if labels["resource"] == resource && labels["store"] == lease.StoreZooKeeper {
-				return m.GetCounter().GetValue() + m.GetGauge().GetValue()
-			}
-		}
-	}
-	return 0
+	v, _ := metricValue(t, reg, name, map[string]string{"resource": resource, "store": lease.StoreZooKeeper})
+	return v
 }
 
 // TestZooKeeperGuardConfig: a misconfigured --zk-resource fails the start with the cause.
@@ -210,7 +193,7 @@ func TestZooKeeperGuardConfig(t *testing.T) {
 	}{
 		{nil, []string{"billing"}, "zk-resource needs zk-servers"},
 		{base.ZKServers, []string{"ledger"}, "ledger is not a --resource"},
-		{base.ZKServers, []string{"orders"}, "validated against Consul already"},
+		{base.ZKServers, []string{"orders"}, `resource "orders" is declared with a Consul key (locks/orders) and --zk-resource`},
 		{base.ZKServers, []string{"billing=locks/billing"}, "absolute lock folder"},
 	} {
 		cfg := base

@@ -17,8 +17,8 @@ SELECT has_table('fence', 'bindings', 'fence.bindings exists');
 SELECT has_table('fence', 'keys', 'fence.keys exists');
 SELECT has_table('fence', 'goose_db_version', 'goose keeps its version table in the fence schema');
 SELECT hasnt_table('public', 'goose_db_version', 'no goose version table in public');
-SELECT is((SELECT max(version_id) FROM fence.goose_db_version WHERE is_applied), 9::bigint,
-    'the schema is at version 9');
+SELECT is((SELECT max(version_id) FROM fence.goose_db_version WHERE is_applied), 10::bigint,
+    'the schema is at version 10');
 
 -- fence.tokens (version 1, unchanged).
 SELECT col_type_is('fence', 'tokens', 'resource', 'text', 'tokens.resource is text');
@@ -85,8 +85,8 @@ SELECT function_returns('fence', 'raise', ARRAY['text', 'bigint', 'text'], 'bigi
 SELECT function_returns('fence', 'reset', ARRAY['text', 'bigint'], 'bigint');
 SELECT function_returns('fence', 'settled', ARRAY['text', 'bigint', 'text'], 'bigint');
 SELECT function_returns('fence', 'proof', ARRAY['text', 'text', 'bigint', 'integer'], 'text');
-SELECT is((SELECT count(*) FROM pg_proc WHERE pronamespace = 'fence'::regnamespace), 21::bigint,
-    'the fence schema holds exactly twenty-one functions');
+SELECT is((SELECT count(*) FROM pg_proc WHERE pronamespace = 'fence'::regnamespace), 22::bigint,
+    'the fence schema holds exactly twenty-two functions');
 SELECT is(array_agg(p.oid::regprocedure::text ORDER BY p.oid::regprocedure::text), NULL,
     'every fence function is SECURITY DEFINER')
 FROM pg_proc AS p WHERE p.pronamespace = 'fence'::regnamespace AND NOT p.prosecdef
@@ -157,8 +157,8 @@ SELECT is((SELECT relpersistence::text FROM pg_class WHERE oid = 'fence.bindings
     'fence.bindings is UNLOGGED: a binding means nothing once its backend is gone, and no backend outlives a crash');
 SELECT is((SELECT relpersistence::text FROM pg_class WHERE oid = 'fence.tokens'::regclass), 'p',
     'fence.tokens is logged: an admitted token survives a crash');
-SELECT is(array_agg(p.proname::text ORDER BY p.proname), ARRAY['bind', 'consul_admit', 'consul_regress', 'raise', 'settled'],
-    'PUBLIC may execute exactly fence.bind, fence.consul_admit, fence.consul_regress, fence.raise and fence.settled (each needs the proxy''s proof)')
+SELECT is(array_agg(p.proname::text ORDER BY p.proname), ARRAY['bind', 'consul_admit', 'consul_regress', 'lease_bind', 'raise', 'settled'],
+    'PUBLIC may execute exactly fence.bind, fence.consul_admit, fence.consul_regress, fence.lease_bind, fence.raise and fence.settled (each needs the proxy''s proof)')
 FROM pg_proc AS p
 WHERE p.pronamespace = 'fence'::regnamespace AND has_function_privilege('tap_nobody', p.oid, 'EXECUTE');
 

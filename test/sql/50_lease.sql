@@ -56,7 +56,7 @@ SELECT function_privs_are('fence', 'lease_renew', ARRAY['text', 'text', 'bigint'
     'PUBLIC may not execute fence.lease_renew');
 SELECT function_privs_are('fence', 'lease_release', ARRAY['text', 'text', 'bigint'], 'tap_nobody_lease', ARRAY[]::text[],
     'PUBLIC may not execute fence.lease_release');
-SELECT is(array_agg(p.proname::text ORDER BY p.proname), ARRAY['check_lease_args', 'lease_acquire', 'lease_release', 'lease_renew'],
+SELECT is(array_agg(p.proname::text ORDER BY p.proname), ARRAY['check_lease_args', 'lease_acquire', 'lease_bind', 'lease_release', 'lease_renew'],
     'the lease functions are SECURITY DEFINER with search_path pinned to pg_catalog, pg_temp')
 FROM pg_proc AS p WHERE p.pronamespace = 'fence'::regnamespace AND p.prosecdef
   AND p.proconfig = ARRAY['search_path=pg_catalog, pg_temp'] AND (p.proname LIKE 'lease%' OR p.proname = 'check_lease_args');
