@@ -1,5 +1,5 @@
 # fenceproxy: `make test` is what CI runs (.ci/run).
-.PHONY: all deps build test fmt fmt-check vet sqltest model model-quick fuzz gotest gen-long chaos demo bench bench-quick driver-suites psycopg-suite clean
+.PHONY: all deps build test fmt fmt-check vet proof-labels sqltest model model-quick fuzz gotest gen-long chaos demo bench bench-quick driver-suites psycopg-suite clean
 # Prerequisites are steps in order (deps before tests), also under make -j.
 .NOTPARALLEL:
 
@@ -31,7 +31,7 @@ build:
 
 # The checks run fastest first; `go test ./...` runs last so that its closing line
 # (ok / FAIL) ends the output.
-test: deps fmt-check vet sqltest model-quick fuzz gotest
+test: deps fmt-check vet proof-labels sqltest model-quick fuzz gotest
 
 fmt:
 	gofmt -w .
@@ -43,6 +43,11 @@ fmt-check:
 
 vet:
 	$(GO) vet ./...
+
+# docs/proof.md against its citations: every obligation cited by a pgTAP test, every cited
+# label defined (migrations/labels_test.go; gotest runs it again, this fails first).
+proof-labels:
+	$(GO) test -count=1 -run '^(TestProofLabels|TestCitations)$$' ./migrations/
 
 sqltest:
 	if [ -f scripts/test-sql.sh ]; then bash scripts/test-sql.sh; fi

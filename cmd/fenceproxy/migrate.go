@@ -9,6 +9,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
+	"github.com/fenceproxy/fenceproxy/migrations"
 )
 
 // MigrateCmd installs or upgrades the fence schema.
@@ -17,7 +18,7 @@ type MigrateCmd struct {
 	KeyFile  string `help:"Proxy key file: created with a new random key if missing, then stored in the database (the proxies' --key-file)." type:"path"`
 }
 
-// Run applies the embedded migrations.
+// Run installs or upgrades the fence schema (docs/schema.md) and stores the proxy key.
 func (m *MigrateCmd) Run(ctx context.Context, log *zap.Logger) error {
 	applied, err := fence.Migrate(ctx, m.Database)
 	if err != nil {
@@ -41,8 +42,13 @@ func (m *MigrateCmd) Run(ctx context.Context, log *zap.Logger) error {
 		}
 		fmt.Println("proxy key stored in the database")
 	}
-	if len(applied) == 0 {
-		fmt.Println("fence schema is up to date")
+	switch {
+	case len(applied) == 0:
+		fmt.Printf("fence schema is up to date (version %d)\n", migrations.Version)
+	case applied[0] == 1:
+		fmt.Printf("installed fence schema version %d\n", migrations.Version)
+	default:
+		fmt.Printf("upgraded fence schema from version %d to %d\n", applied[0]-1, migrations.Version)
 	}
 	for _, v := range applied {
 		fmt.Printf("applied migration %d\n", v)

@@ -23,7 +23,7 @@ func (r ConsulRecord) Admits(token int64, holder string) bool {
 
 // ConsulAdmit records through conn (the proxy's control connection) that Consul showed token
 // as the current token of resource's lock, held by session holder, and returns the record
-// afterwards (fence.consul_admit: C1-C3 in migration 7).
+// afterwards (fence.consul_admit: C1-C3 in docs/proof.md).
 func (k Key) ConsulAdmit(ctx context.Context, conn *pgx.Conn, resource string, token int64, holder string) (ConsulRecord, error) {
 	var r ConsulRecord
 	var regression *string
@@ -51,7 +51,7 @@ func (k Key) ConsulRegress(ctx context.Context, conn *pgx.Conn, resource string,
 // ConsulBindQuery is the bind of a session whose token Consul just showed as current, held by
 // a session: fence.consul_admit records (token, holder) in the session's own database, with
 // the proof of kind "consul", and fence.bind runs only when the record admits them (C5 in
-// migration 8: one token, one holder, and a second holder deposes the first). Its row:
+// docs/proof.md: one token, one holder, and a second holder deposes the first). Its row:
 // recorded token, recorded holder, regression (NULL: none) and the stored token after the
 // bind (NULL: not bound, the record did not admit the token).
 const ConsulBindQuery = `SELECT a.recorded, a.recorded_holder, a.regression,

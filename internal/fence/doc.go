@@ -7,7 +7,7 @@
 //
 // The guarantee (for a resource R, once token t' is admitted, no transaction
 // under t < t' commits afterwards) is discharged by PostgreSQL, in
-// migrations/00004_bind_sessions.sql: every fenced backend is bound to its
+// migrations/functions (docs/proof.md): every fenced backend is bound to its
 // token before its client can send anything, and a raise ends every backend
 // bound to a lower token and waits for it to exit before it commits. The
 // proxy's part is to bind each fenced session before its ReadyForQuery;

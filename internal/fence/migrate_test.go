@@ -16,6 +16,7 @@ import (
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
 	"github.com/fenceproxy/fenceproxy/internal/testenv"
+	"github.com/fenceproxy/fenceproxy/migrations"
 )
 
 // schemaCluster is one PostgreSQL cluster shared by a test's subtests, each of which gets a
@@ -203,8 +204,14 @@ func waitBlockedBy(t *testing.T, conn *pgx.Conn, pid uint32) uint32 {
 	return 0
 }
 
-// allVersions are the embedded migrations, in order.
-var allVersions = []int64{1, 2, 3, 4, 5, 6, 7, 8, 9, 10}
+// allVersions are the schema versions, in order: what a fresh install reports applied.
+var allVersions = func() []int64 {
+	var vs []int64
+	for v := int64(1); v <= migrations.Version; v++ {
+		vs = append(vs, v)
+	}
+	return vs
+}()
 
 func TestMigrate(t *testing.T) {
 	c := startSchemaCluster(t)
@@ -260,8 +267,11 @@ func TestMigrate(t *testing.T) {
 				t.Errorf("migration %d (%s) not applied", s.Version, s.Name)
 			}
 		}
-		if last := states[len(states)-1]; last.Version != fence.SchemaVersion || last.Name != "00010_lease_bind.sql" {
-			t.Errorf("last migration %+v, want 00010_lease_bind.sql", last)
+		if last := states[len(states)-1]; last.Version != migrations.Version {
+			t.Errorf("last migration %+v, want version %d", last, migrations.Version)
+		}
+		if s := states[3]; s.Version != 4 || s.Name != "00004_bind_sessions.sql" {
+			t.Errorf("version 4 is %+v, want its upgrade step 00004_bind_sessions.sql", s)
 		}
 
 		// Without a stored key, fencing is unavailable (fail closed), whatever the proof.
@@ -280,8 +290,8 @@ func TestMigrate(t *testing.T) {
 		if err != nil {
 			t.Fatalf("MigrationStatus: %v", err)
 		}
-		if len(states) == 0 || states[0].Version != 1 || states[0].Name != "00001_fence_schema.sql" || states[0].Applied {
-			t.Fatalf("MigrationStatus = %+v, want 00001_fence_schema.sql first, pending", states)
+		if len(states) == 0 || states[0].Version != 1 || states[0].Applied {
+			t.Fatalf("MigrationStatus = %+v, want version 1 first, pending", states)
 		}
 		var exists bool
 		if err := schemaConnect(t, url).QueryRow(t.Context(),
@@ -633,7 +643,13 @@ func TestMigrateV4Upgrade(t *testing.T) {
 // intact.
 func TestMigrateV4Down(t *testing.T) {
 	c := startSchemaCluster(t)
-	url := c.migratedDB(t)
+	url := c.createDB(t)
+	if err := fence.MigrateTo(t.Context(), url, fence.LegacyVersion); err != nil {
+		t.Fatal(err)
+	}
+	if err := fence.SetKey(t.Context(), url, testenv.Key); err != nil {
+		t.Fatal(err)
+	}
 	conn := schemaConnect(t, url)
 	mustRaise(t, conn, "billing", 5)
 

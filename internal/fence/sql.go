@@ -16,11 +16,11 @@ import (
 
 // The statements the proxy sends: a bind at session start, and a raise or a settled read on its
 // control connection, each a single SELECT of one function of the fence schema (see
-// migrations/00004_bind_sessions.sql for what they guarantee) whose parameters are a resource
+// docs/proof.md for what they guarantee) whose parameters are a resource
 // name that passed ValidResource, an integer token and a hex proof: never text a client sent.
 
 // Key is the proxy key: the secret that proves to the database that a bind or a raise comes
-// from fenceproxy (proof obligation P5 of migration 4). The same key is stored in the
+// from fenceproxy (proof obligation P5, docs/proof.md). The same key is stored in the
 // database's fence.keys (SetKey) and given to every proxy (--key-file).
 type Key []byte
 
@@ -76,7 +76,7 @@ func WriteKeyFile(path string, k Key) error {
 
 // Proof is the MAC fence.verify expects from the backend with process ID pid in database:
 // hex(sha256(key || sha256(key || message))), message = kind, database, resource, token and pid
-// joined by newlines (fence.proof in migration 4).
+// joined by newlines (migrations/functions/fence.mac.sql).
 func (k Key) Proof(kind, database, resource string, token int64, pid uint32) string {
 	msg := kind + "\n" + database + "\n" + resource + "\n" + strconv.FormatInt(token, 10) + "\n" + strconv.FormatUint(uint64(pid), 10)
 	inner := sha256.Sum256(append(append([]byte(nil), k...), msg...))

@@ -1,10 +1,10 @@
--- The fence schema as the migrations install it (version 8: sessions bound to tokens, leases, history, Consul's record and its deposition): objects,
+-- The fence schema as fenceproxy migrate installs it (version 9: sessions bound to tokens, leases, history, Consul's record and its deposition): objects,
 -- types, constraints, function properties and privileges; the version-1 commit-time check is
 -- gone. What PUBLIC may do is shown by running as such a role in 40_grants.sql.
 \ir _psql.psql
 
 BEGIN;
-SELECT plan(93);
+SELECT plan(96);
 \ir _helpers.psql
 
 -- A role with no grant of its own: it has exactly what PUBLIC has.
@@ -65,7 +65,7 @@ SELECT lives_ok($$INSERT INTO fence.keys (key) VALUES (sha256('fenceproxy pgTAP 
 SELECT throws_ok($$INSERT INTO fence.keys (id, key) VALUES (2, sha256('another key'::bytea))$$,
     '23514', NULL, 'fence.keys holds one row only (id 1)');
 
--- The functions: exactly these eighteen (the lease's four are tested in 50_lease.sql, Consul's two in 70_consul.sql); all but fence.mac (a plain expression that fence.bind's
+-- The functions: exactly these nineteen (the lease's four are tested in 50_lease.sql, Consul's two in 70_consul.sql); all but fence.mac (a plain expression that fence.bind's
 -- query inlines, which needs SECURITY INVOKER and no SET) SECURITY DEFINER with a pinned
 -- search_path.
 SELECT has_function('fence', 'bind', ARRAY['text', 'bigint', 'text']);
@@ -79,14 +79,16 @@ SELECT has_function('fence', 'mac', ARRAY['bytea', 'text', 'text', 'bigint', 'in
 SELECT has_function('fence', 'refuse_prepared', ARRAY['text', 'bigint']);
 SELECT has_function('fence', 'forget_exited', ARRAY['text']);
 SELECT has_function('fence', 'settled', ARRAY['text', 'bigint', 'text']);
+SELECT has_function('fence', 'lease_bind', ARRAY['text', 'bigint', 'text']);
 SELECT has_function('fence', 'notify', ARRAY['text', 'double precision']);
+SELECT has_function('fence', 'commit_durably', ARRAY[]::text[]);
 SELECT function_returns('fence', 'bind', ARRAY['text', 'bigint', 'text'], 'bigint');
 SELECT function_returns('fence', 'raise', ARRAY['text', 'bigint', 'text'], 'bigint');
 SELECT function_returns('fence', 'reset', ARRAY['text', 'bigint'], 'bigint');
 SELECT function_returns('fence', 'settled', ARRAY['text', 'bigint', 'text'], 'bigint');
 SELECT function_returns('fence', 'proof', ARRAY['text', 'text', 'bigint', 'integer'], 'text');
-SELECT is((SELECT count(*) FROM pg_proc WHERE pronamespace = 'fence'::regnamespace), 22::bigint,
-    'the fence schema holds exactly twenty-two functions');
+SELECT is((SELECT count(*) FROM pg_proc WHERE pronamespace = 'fence'::regnamespace), 23::bigint,
+    'the fence schema holds exactly twenty-three functions');
 SELECT is(array_agg(p.oid::regprocedure::text ORDER BY p.oid::regprocedure::text), NULL,
     'every fence function is SECURITY DEFINER')
 FROM pg_proc AS p WHERE p.pronamespace = 'fence'::regnamespace AND NOT p.prosecdef
@@ -153,6 +155,8 @@ SELECT function_privs_are('fence', 'refuse_prepared', ARRAY['text', 'bigint'], '
     'PUBLIC may not execute fence.refuse_prepared');
 SELECT function_privs_are('fence', 'forget_exited', ARRAY['text'], 'tap_nobody', ARRAY[]::text[],
     'PUBLIC may not execute fence.forget_exited');
+SELECT function_privs_are('fence', 'commit_durably', ARRAY[]::text[], 'tap_nobody', ARRAY[]::text[],
+    'PUBLIC may not execute fence.commit_durably (D1)');
 SELECT is((SELECT relpersistence::text FROM pg_class WHERE oid = 'fence.bindings'::regclass), 'u',
     'fence.bindings is UNLOGGED: a binding means nothing once its backend is gone, and no backend outlives a crash');
 SELECT is((SELECT relpersistence::text FROM pg_class WHERE oid = 'fence.tokens'::regclass), 'p',

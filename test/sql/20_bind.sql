@@ -151,7 +151,7 @@ SELECT is((SELECT array_agg(resource || ' ' || token) FROM fence.bindings WHERE 
     '... and the leftover row is removed');
 
 -- A bind that raises nothing commits without waiting for the WAL flush (nothing durable
--- changes); a bind that raises keeps the session's synchronous_commit.
+-- changes); a bind that raises commits with synchronous_commit on (P7, D1; 25_durable.sql).
 -- (The test cluster runs with synchronous_commit off: the sessions turn it on.)
 SELECT pg_temp.connect('s', 'tap_leader') \g /dev/null
 SELECT dblink_exec('s', 'SET synchronous_commit = on; BEGIN') \g /dev/null
@@ -167,7 +167,7 @@ SELECT dblink_exec('s', 'COMMIT') \g /dev/null
 SELECT pg_temp.connect('s', 'tap_leader') \g /dev/null
 SELECT dblink_exec('s', 'SET synchronous_commit = off; BEGIN') \g /dev/null
 SELECT is(pg_temp.bind('s', 'tap-bind', 35), 35::bigint, 'a bind that raises in a session with synchronous_commit off');
-SELECT is(pg_temp.remote('s', 'SHOW synchronous_commit'), 'local', '... commits with its WAL flushed all the same (P7)');
+SELECT is(pg_temp.remote('s', 'SHOW synchronous_commit'), 'on', '... commits with its WAL flushed all the same, on synchronous standbys too (P7, D1)');
 SELECT dblink_exec('s', 'COMMIT') \g /dev/null
 
 -- Exited backends' rows go (fence.forget_exited, run by raises and by one bind in 64), a live

@@ -1,0 +1,31 @@
+-- fence.commit_durably(): (D1) the calling transaction commits with synchronous_commit on, or
+-- remote_apply when the session has that, whatever the role (ALTER ROLE ... SET), the database,
+-- the session or the client's startup options set: off, local and remote_write are raised to on.
+-- Its commit then returns only once the WAL is flushed here (P7) and, when
+-- synchronous_standby_names names standbys, on those standbys, which a failover may promote. A
+-- raise (or a record an admission rests on) counts as admitted only once it is durable there.
+--
+-- set_config with is_local: the setting lasts until the transaction ends, past this function's
+-- return (its SET clause restores search_path only). A SET synchronous_commit clause on a
+-- function would be undone when the function returns, before the commit; so would a later
+-- set_config in the same transaction, which fence.bind therefore skips after this. Called by every
+-- function that raises a stored token or writes what an admission rests on: fence.raise_locked
+-- (fence.bind's raise, fence.raise, fence.lease_acquire), fence.reset, fence.consul_admit and
+-- fence.consul_regress. Not granted to PUBLIC.
+CREATE OR REPLACE FUNCTION fence.commit_durably()
+RETURNS void
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    IF pg_catalog.current_setting('synchronous_commit') <> 'remote_apply' THEN
+        PERFORM pg_catalog.set_config('synchronous_commit', 'on', true);
+    END IF;
+    -- Read by fence.bind, which otherwise turns synchronous_commit off for a bind that raises
+    -- nothing. A client that sets it itself only makes its binds wait for the flush.
+    PERFORM pg_catalog.set_config('fence.commit_durably', 'on', true);
+END
+$fn$;
+REVOKE ALL ON FUNCTION fence.commit_durably() FROM PUBLIC;
