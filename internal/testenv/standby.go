@@ -145,6 +145,7 @@ func (p *Postgres) prepareStandby(src *standbySource) error {
 		{"synchronous_standby_names", ""},
 		{"hot_standby", "on"},
 		{"wal_receiver_status_interval", "1s"},
+		{"wal_retrieve_retry_interval", "200ms"}, // reconnect soon after HealReplication
 	}
 	return p.appendConf(append(conf, p.opts.conf...))
 }
@@ -193,7 +194,8 @@ func (s *Standby) CutReplication() {
 	s.Relay.Cut()
 }
 
-// HealReplication lets replication through again.
+// HealReplication lets replication through again (the standby reconnects within a second:
+// WaitFlushed the primary's CurrentLSN to know when it has caught up).
 func (s *Standby) HealReplication() { s.Relay.Heal() }
 
 // CurrentLSN is the primary's WAL insert position (pg_current_wal_insert_lsn()), as text.

@@ -1,0 +1,114 @@
+package proxy_test
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/fenceproxy/fenceproxy/internal/fence"
+	"github.com/fenceproxy/fenceproxy/internal/proxy"
+	"github.com/fenceproxy/fenceproxy/internal/testenv"
+)
+
+// replicatedDB is fencedDB with a streaming standby "s1" made after the schema, the role and
+// the table.
+func replicatedDB(t *testing.T, opts ...testenv.PGOption) (*testenv.Postgres, *testenv.Standby) {
+	t.Helper()
+	pg, _ := fencedDB(t, opts...)
+	return pg, testenv.StartStandby(t, pg, "s1")
+}
+
+func failoverProxy(t *testing.T, pg *testenv.Postgres, standbys ...string) *testenv.Proxy {
+	t.Helper()
+	return fencedProxy(t, pg, func(c *proxy.Config) {
+		c.ControlDatabase = pg.AdminURL()
+		c.FailoverStandbys = standbys
+		c.StandbyFlushTimeout = time.Second
+	})
+}
+
+// storedToken is fence.tokens' token for billing on p (0: no row).
+func storedToken(t *testing.T, p *testenv.Postgres) int64 {
+	t.Helper()
+	conn := connect(t, p.AdminURL())
+	var tok int64
+	err := conn.QueryRow(ctxT(t), "SELECT coalesce((SELECT token FROM fence.tokens WHERE resource = 'billing'), 0)").Scan(&tok)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tok
+}
+
+// TestFailoverStandbyFlushedBeforeSessionStarts (issue 21, setup 1, async standby, bare
+// tokens): a session whose bind raised to 34 starts only once the standby has flushed the
+// raise, so that after the primary's crash and the standby's promotion 34 is still the stored
+// token and a proxy in front of the new primary refuses 33 (ZF001): no stale commit.
+func TestFailoverStandbyFlushedBeforeSessionStarts(t *testing.T) {
+	pg, sb := replicatedDB(t)
+	px := failoverProxy(t, pg, "s1")
+
+	a := connect(t, px.FenceURL("app", "postgres", "billing", 33))
+	mustExec(t, a, "INSERT INTO items (tag, token) VALUES ('a', 33)")
+	b := connect(t, px.FenceURL("app", "postgres", "billing", 34))
+	// The raise was flushed by s1 before b's ReadyForQuery; cut replication at once.
+	sb.CutReplication()
+	mustExec(t, b, "INSERT INTO items (tag, token) VALUES ('b', 34)")
+	pg.Kill(t)
+	sb.Promote(t)
+
+	if got := storedToken(t, sb.Postgres); got != 34 {
+		t.Fatalf("after the failover the stored token is %d, want 34 (the raise acknowledged before it)", got)
+	}
+	after := testenv.StartProxy(t, sb.Postgres, proxy.Config{Resources: []string{"billing"}})
+	wantStale(t, connectErr(after.FenceURL("app", "postgres", "billing", 33)))
+	b2 := connect(t, after.FenceURL("app", "postgres", "billing", 34))
+	mustExec(t, b2, "INSERT INTO items (tag, token) VALUES ('b', 34)")
+	if n := count(t, b2, "SELECT count(*) FROM items WHERE token = 33 AND id > (SELECT min(id) FROM items WHERE token = 34)"); n != 0 {
+		t.Fatalf("%d rows of token 33 committed after 34", n)
+	}
+}
+
+// TestFailoverStandbyNotConfirmingFailsClosed: with the standby's replication cut, a session
+// whose bind raises fails to start with ZF007 naming the standby, by name or by slot; with
+// replication back, it starts.
+func TestFailoverStandbyNotConfirmingFailsClosed(t *testing.T) {
+	pg, sb := replicatedDB(t)
+	for _, tc := range []struct {
+		standbys []string
+		named    string
+	}{
+		{[]string{"s1"}, "standby s1"},
+		{[]string{"slot:*"}, "slot s1"},
+	} {
+		t.Run(strings.Join(tc.standbys, ","), func(t *testing.T) {
+			px := failoverProxy(t, pg, tc.standbys...)
+			tok := storedToken(t, pg) + 1
+			connect(t, px.FenceURL("app", "postgres", "billing", tok)).Close(ctxT(t))
+
+			sb.CutReplication()
+			started := time.Now()
+			err := connectErr(px.FenceURL("app", "postgres", "billing", tok+1))
+			wantCode(t, err, fence.CodeUnavailable)
+			if !strings.Contains(err.Error(), tc.named) || !strings.Contains(err.Error(), "not yet on the standbys") {
+				t.Fatalf("the error does not name %q: %v", tc.named, err)
+			}
+			if d := time.Since(started); d < time.Second || d > 10*time.Second {
+				t.Fatalf("refused after %v, want about --standby-flush-timeout (1 s)", d)
+			}
+			sb.HealReplication()
+			sb.WaitFlushed(t, pg.CurrentLSN(t), 30*time.Second)
+			connect(t, px.FenceURL("app", "postgres", "billing", tok+1)).Close(ctxT(t))
+		})
+	}
+}
+
+func TestFailoverStandbysConfig(t *testing.T) {
+	_, err := proxy.New(proxy.Config{Upstream: "postgres://127.0.0.1:5432", FailoverStandbys: []string{"s1"}}, proxy.Options{})
+	if err == nil || !strings.Contains(err.Error(), "control-database") {
+		t.Fatalf("--failover-standbys without --control-database: %v", err)
+	}
+	_, err = proxy.New(proxy.Config{Upstream: "postgres://127.0.0.1:5432", ControlDatabase: "postgres://127.0.0.1/x", FailoverStandbys: []string{"slot:"}}, proxy.Options{})
+	if err == nil || !strings.Contains(err.Error(), "slot:NAME") {
+		t.Fatalf("slot: without a name: %v", err)
+	}
+}
