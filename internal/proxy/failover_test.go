@@ -1,9 +1,15 @@
 package proxy_test
 
 import (
+	"context"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/fenceproxy/fenceproxy/internal/faulthop"
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
 	"github.com/fenceproxy/fenceproxy/internal/proxy"
@@ -111,4 +117,52 @@ func TestFailoverStandbysConfig(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "slot:NAME") {
 		t.Fatalf("slot: without a name: %v", err)
 	}
+}
+
+// TestFailoverProxyFollowsNewPrimary (issue 21, setup 4): a proxy left running while its
+// upstream address moves to the promoted standby (a virtual IP: a relay retargeted) forgets
+// the token it saw on the lost timeline (35, never replicated), counts the change, and admits
+// the new primary's legitimate leader (34) instead of locking it out; 33 stays refused.
+func TestFailoverProxyFollowsNewPrimary(t *testing.T) {
+	pg, sb := replicatedDB(t)
+	vip, err := faulthop.Start("", fmt.Sprintf("%s:%d", pg.Host, pg.Port))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = vip.Close(context.Background()) })
+	vipURL := func(db string) string {
+		return fmt.Sprintf("postgres://%s:%s@%s/%s?sslmode=disable", testenv.AdminUser, testenv.AdminPassword, vip.Addr, db)
+	}
+	px := testenv.StartProxy(t, pg, proxy.Config{
+		Upstream:        "postgres://" + vip.Addr,
+		Resources:       []string{"billing"},
+		ControlDatabase: vipURL("postgres"),
+	})
+
+	connect(t, px.FenceURL("app", "postgres", "billing", 33)).Close(ctxT(t))
+	sb.WaitFlushed(t, pg.CurrentLSN(t), 30*time.Second)
+	sb.CutReplication()
+	connect(t, px.FenceURL("app", "postgres", "billing", 35)).Close(ctxT(t)) // lost with the primary
+	if h := px.Registry.Highest("postgres", "billing"); h != 35 {
+		t.Fatalf("the proxy knows token %d, want 35", h)
+	}
+
+	pg.Kill(t)
+	sb.Promote(t)
+	vip.Retarget(fmt.Sprintf("%s:%d", sb.Host, sb.Port))
+	vip.Cut()
+
+	deadline := time.Now().Add(30 * time.Second)
+	for testutil.ToFloat64(px.Metrics.UpstreamChanges.WithLabelValues("timeline")) < 1 {
+		if time.Now().After(deadline) {
+			t.Fatalf("the proxy did not notice the new timeline within 30 s (it knows token %d)", px.Registry.Highest("postgres", "billing"))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if h := px.Registry.Highest("postgres", "billing"); h != 33 {
+		t.Fatalf("after the failover the proxy knows token %d, want 33 (the new primary's)", h)
+	}
+	c := connect(t, px.FenceURL("app", "postgres", "billing", 34))
+	mustExec(t, c, "INSERT INTO items (tag, token) VALUES ('c', 34)")
+	wantStale(t, connectErr(px.FenceURL("app", "postgres", "billing", 33)))
 }
