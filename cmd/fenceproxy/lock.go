@@ -3,11 +3,13 @@ package main
 import (
 	"context"
 	"errors"
+	"fmt"
 	"time"
 
 	"go.uber.org/zap"
 
 	"github.com/fenceproxy/fenceproxy/internal/lease"
+	"github.com/fenceproxy/fenceproxy/internal/standby"
 )
 
 // LockCmd runs a command as the leader of a resource: `consul lock` with fencing, on a
@@ -24,8 +26,10 @@ type LockCmd struct {
 	ConsulScheme string `help:"http or https; default from --consul-addr." name:"consul-scheme" enum:",http,https" default:"" env:"FENCEPROXY_CONSUL_SCHEME"`
 	TokenMode    string `help:"The token the command gets (FENCE_TOKEN), as the proxy's --consul-token-mode: lockindex (the key's LockIndex) or create-lock (CreateIndex*2^24+LockIndex)." name:"consul-token-mode" enum:"lockindex,create-lock" default:"lockindex" env:"FENCEPROXY_CONSUL_TOKEN_MODE"`
 
-	Database string `help:"The protected database, reached directly (not through the proxy), whose fence.leases holds the lease (--store postgres; schema version 5, fenceproxy migrate)." name:"database" env:"FENCEPROXY_DATABASE"`
-	Holder   string `help:"Holder name in the lease row (--store postgres), the leader key's value (--store etcd) or the lock node's data (--store zookeeper); default host:pid:random." env:"FENCEPROXY_HOLDER"`
+	Database            string        `help:"The protected database, reached directly (not through the proxy), whose fence.leases holds the lease (--store postgres; schema version 5, fenceproxy migrate)." name:"database" env:"FENCEPROXY_DATABASE"`
+	FailoverStandbys    []string      `help:"Standbys a failover may promote (--store postgres), comma-separated: NAME (application_name; --database's role needs pg_read_all_stats), slot:NAME or slot:* (physical replication slots). A new generation goes to the command only once they have flushed it; one that does not confirm within --standby-flush-timeout is released and the campaign goes on, naming the standby in the log." name:"failover-standbys" sep:"," env:"FENCEPROXY_FAILOVER_STANDBYS"`
+	StandbyFlushTimeout time.Duration `help:"How long an acquisition waits for --failover-standbys (--store postgres)." name:"standby-flush-timeout" default:"5s" env:"FENCEPROXY_STANDBY_FLUSH_TIMEOUT"`
+	Holder              string        `help:"Holder name in the lease row (--store postgres), the leader key's value (--store etcd) or the lock node's data (--store zookeeper); default host:pid:random." env:"FENCEPROXY_HOLDER"`
 
 	EtcdEndpoints []string `help:"etcd client URLs, comma-separated (--store etcd)." name:"etcd-endpoints" env:"FENCEPROXY_ETCD_ENDPOINTS"`
 	Prefix        string   `help:"etcd election prefix, default locks/<resource> (--store etcd); ZooKeeper lock folder, default /locks/<resource> (--store zookeeper)." env:"FENCEPROXY_PREFIX"`
@@ -96,12 +100,20 @@ func (c *LockCmd) Run(ctx context.Context, log *zap.Logger) error {
 // store returns the lease store of c.Store and what closes it.
 func (c *LockCmd) store(log *zap.Logger) (lease.Store, func(), error) {
 	nothing := func() {}
+	if len(c.FailoverStandbys) > 0 && c.Store != lease.StorePostgres {
+		return nil, nil, errors.New("lock --failover-standbys goes with --store postgres: the other stores keep their generations outside the protected database")
+	}
 	switch c.Store {
 	case lease.StorePostgres:
 		if c.Database == "" {
 			return nil, nil, errors.New("lock --store postgres needs --database: the protected database's URL, reached directly")
 		}
-		return &lease.PostgresStore{URL: c.Database, TTL: c.TTL, Holder: c.Holder, Logger: log}, nothing, nil
+		standbys, err := standby.Parse(c.FailoverStandbys)
+		if err != nil {
+			return nil, nil, fmt.Errorf("lock --failover-standbys: %w", err)
+		}
+		return &lease.PostgresStore{URL: c.Database, TTL: c.TTL, Holder: c.Holder, Logger: log,
+			Standbys: standbys, FlushTimeout: c.StandbyFlushTimeout}, nothing, nil
 	case lease.StoreEtcd:
 		if len(c.EtcdEndpoints) == 0 {
 			return nil, nil, errors.New("lock --store etcd needs --etcd-endpoints: etcd's client URLs")

@@ -65,7 +65,10 @@ func (h *Hop) accept() {
 func (h *Hop) serve(client net.Conn) {
 	defer h.wg.Done()
 	d := net.Dialer{Timeout: 5 * time.Second}
-	server, err := d.Dial("tcp", h.target)
+	h.mu.Lock()
+	target := h.target
+	h.mu.Unlock()
+	server, err := d.Dial("tcp", target)
 	if err != nil {
 		reset(client)
 		return
@@ -191,6 +194,14 @@ func (h *Hop) Cut() {
 		reset(p.client)
 		reset(p.server)
 	}
+}
+
+// Retarget relays new connections to target from now on (a virtual IP or a DNS name moving
+// to another server, as at a failover); open connections keep their server: Cut them.
+func (h *Hop) Retarget(target string) {
+	h.mu.Lock()
+	h.target = target
+	h.mu.Unlock()
 }
 
 // Heal removes every fault: no delay, no stall, no loss.

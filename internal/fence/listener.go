@@ -46,9 +46,67 @@ func Listen(ctx context.Context, url string, reg *Registry, log *zap.Logger, rea
 // Follow is Listen that also says when the listener loses its connection: synced(true) after
 // each sync, synced(false) at each loss (a proxy is not ready while it may miss raises).
 func Follow(ctx context.Context, url string, reg *Registry, log *zap.Logger, synced func(bool)) error {
+	return FollowUpstream(ctx, url, reg, log, Hooks{Synced: synced})
+}
+
+// Hooks are what FollowUpstream tells its caller.
+type Hooks struct {
+	// Synced(true) after each sync, Synced(false) at each loss.
+	Synced func(bool)
+	// Changed is called when a (re)connection finds another server than the last one: kind
+	// "server" (another system identifier) or "timeline" (the same cluster on a new timeline:
+	// a promoted standby). Nil: not told.
+	Changed func(kind string)
+}
+
+// Upstream is the identity of the server a connection reached: its cluster's system
+// identifier and its current timeline (of its current WAL file).
+type Upstream struct {
+	SystemID string
+	Timeline int64
+}
+
+// identityQuery reads Upstream, and whether the server is in recovery (a standby, whose
+// timeline is not read).
+const identityQuery = `SELECT (SELECT system_identifier::text FROM pg_control_system()), pg_is_in_recovery(),
+    CASE WHEN pg_is_in_recovery() THEN 0 ELSE ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint END`
+
+// errStandby is a control connection that reached a standby: raises are made on the primary.
+var errStandby = errors.New("the control database's server is a standby (in recovery): raises are made on the primary; use target_session_attrs=read-write and list every host (postgres://h1:p1,h2:p2/db)")
+
+// FollowUpstream is Follow that also watches the server's identity: at each (re)connection it
+// reads the system identifier and timeline, refuses a standby (not synced: the proxy is not
+// ready), and when they changed since the last connection (a failover) it drops what the
+// registry remembered of this database (Registry.Rebase with the tokens stored now), logs it
+// and calls h.Changed.
+func FollowUpstream(ctx context.Context, url string, reg *Registry, log *zap.Logger, h Hooks) error {
+	synced := h.Synced
+	if synced == nil {
+		synced = func(bool) {}
+	}
 	backoff := 100 * time.Millisecond
+	var last *Upstream
 	for {
-		err := listenOnce(ctx, url, reg, func() { synced(true) })
+		err := listenOnce(ctx, url, reg, func() { synced(true) }, func(now Upstream, database string) bool {
+			changed := last != nil && *last != now
+			kind := "timeline"
+			if last != nil && last.SystemID != now.SystemID {
+				kind = "server"
+			}
+			if changed {
+				log.Warn("the upstream server changed (a failover): forgetting the tokens of the lost timeline and reading the stored ones",
+					zap.String("kind", kind), zap.String("database", database),
+					zap.String("system_identifier", now.SystemID), zap.Int64("timeline", now.Timeline),
+					zap.String("was_system_identifier", last.SystemID), zap.Int64("was_timeline", last.Timeline))
+				if h.Changed != nil {
+					h.Changed(kind)
+				}
+			}
+			last = &now
+			return changed
+		}, func(err error) {
+			log.Warn("cannot read the upstream server's identity, so a failover to a standby goes unnoticed until the proxy restarts: grant pg_monitor (pg_control_system, pg_walfile_name) to the control database's role", zap.Error(err))
+		})
 		synced(false)
 		if ctx.Err() != nil {
 			return ctx.Err()
@@ -63,13 +121,33 @@ func Follow(ctx context.Context, url string, reg *Registry, log *zap.Logger, syn
 	}
 }
 
-func listenOnce(ctx context.Context, url string, reg *Registry, ready func()) error {
+// listenOnce connects, LISTENs and syncs reg with fence.tokens. identity, when not nil, is
+// told the server's identity before the sync and says whether it changed (then the sync
+// rebases the registry instead of raising it).
+func listenOnce(ctx context.Context, url string, reg *Registry, ready func(), identity func(Upstream, string) bool, identityErr func(error)) error {
 	conn, err := pgx.Connect(ctx, url)
 	if err != nil {
 		return err
 	}
 	defer conn.Close(context.WithoutCancel(ctx))
 	database := DatabaseName(conn.Config())
+	rebase := false
+	if identity != nil {
+		var recovering bool
+		if err := conn.QueryRow(ctx, "SELECT pg_is_in_recovery()").Scan(&recovering); err != nil {
+			return err
+		}
+		if recovering {
+			return errStandby
+		}
+		var up Upstream
+		if err := conn.QueryRow(ctx, identityQuery).Scan(&up.SystemID, &recovering, &up.Timeline); err != nil {
+			// Without it a failover is noticed only by its effects: say what to grant.
+			identityErr(err)
+		} else {
+			rebase = identity(up, database)
+		}
+	}
 	if _, err := conn.Exec(ctx, "LISTEN "+Channel); err != nil {
 		return err
 	}
@@ -77,16 +155,24 @@ func listenOnce(ctx context.Context, url string, reg *Registry, ready func()) er
 	if err != nil {
 		return fmt.Errorf("read fence.tokens: %w", err)
 	}
+	stored := map[string]int64{}
 	for rows.Next() {
 		var res string
 		var tok int64
 		if err := rows.Scan(&res, &tok); err != nil {
 			return err
 		}
-		reg.Observe(database, res, tok)
+		stored[res] = tok
 	}
 	if err := rows.Err(); err != nil {
 		return err
+	}
+	if rebase {
+		reg.Rebase(database, stored)
+	} else {
+		for res, tok := range stored {
+			reg.Observe(database, res, tok)
+		}
 	}
 	if ready != nil {
 		ready()

@@ -312,3 +312,51 @@ func (s *Subscription) Close() {
 		delete(e.subs, s)
 	}
 }
+
+// Rebase replaces what is known of database with stored, the tokens its fence.tokens holds
+// now, even where they are lower: the database's server changed under the proxy (a failover
+// to a standby, a new timeline) and what the proxy remembered from the lost timeline is no
+// authority any more (a raise that did not reach the standby is gone; its holder's session
+// died with the old primary). What Consul said (Observe with database "") stays: that
+// authority lives outside the database. Subscribers below the new highest tokens are told,
+// as with Observe.
+func (r *Registry) Rebase(database string, stored map[string]int64) {
+	r.mu.Lock()
+	var changes []*Change
+	var fire []staleSub
+	for name, e := range r.res {
+		if tok, ok := stored[name]; ok {
+			e.highest[database] = tok
+		} else {
+			delete(e.highest, database)
+		}
+		from := e.leader
+		e.leader = e.global
+		for _, t := range e.highest {
+			e.leader = max(e.leader, t)
+		}
+		if e.leader != from {
+			e.since, e.holder = time.Now(), ""
+			if from != 0 && e.leader > from {
+				e.changes++
+				changes = append(changes, &Change{Resource: name, From: from, To: e.leader, At: e.since})
+			}
+		}
+		fire = append(fire, e.staleSubs()...)
+	}
+	for name, tok := range stored {
+		if _, ok := r.res[name]; !ok {
+			e := r.get(name)
+			e.highest[database] = tok
+			e.noteLeader(name, tok)
+		}
+	}
+	onChange := r.onChange
+	r.mu.Unlock()
+	r.tell(fire, nil, nil)
+	for _, c := range changes {
+		if onChange != nil {
+			onChange(*c)
+		}
+	}
+}

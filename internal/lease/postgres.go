@@ -13,6 +13,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
+	"github.com/fenceproxy/fenceproxy/internal/standby"
 )
 
 // PostgresStore grants the PostgreSQL lease of migration 5 (fence.leases in the protected
@@ -43,6 +44,14 @@ type PostgresStore struct {
 	Holder string
 	// Logger (nil: no logs).
 	Logger *zap.Logger
+	// Standbys are the standbys a failover may promote: an acquisition's new generation is
+	// handed out only once they have flushed it, so that a failover cannot issue it again
+	// (issue 21). The zero Set waits for none. The URL's role needs pg_read_all_stats for
+	// standbys named by application_name.
+	Standbys standby.Set
+	// FlushTimeout bounds that wait (0: standby.DefaultTimeout). A standby that has not
+	// confirmed by then: the lease is released and the campaign goes on.
+	FlushTimeout time.Duration
 }
 
 // Name is StorePostgres.
@@ -127,6 +136,15 @@ func (p *PostgresStore) Campaign(ctx context.Context, resource string) (Lease, e
 			retry.wait(ctx)
 			continue
 		case acquired:
+			if err := p.waitStandbys(ctx, pool, resource, holder, generation, log); err != nil {
+				if errors.Is(err, ErrRefused) || ctx.Err() != nil {
+					pool.Close()
+					return nil, err
+				}
+				log.Warn("acquired postgres lease released: not on the failover standbys", zap.Int64("generation", generation), zap.Error(err))
+				retry.wait(ctx)
+				continue
+			}
 			l := &pgLease{
 				pool: pool, resource: resource, holder: holder, token: generation, ttl: ttl, log: log,
 				outcome: newOutcome(), stopped: make(chan struct{}),
@@ -148,6 +166,36 @@ func (p *PostgresStore) Campaign(ctx context.Context, resource string) (Lease, e
 		}
 		t.Stop()
 	}
+}
+
+// waitStandbys waits until p.Standbys have flushed the acquisition of generation. When they
+// do not confirm in time it releases the lease (the generation was never handed out) and
+// returns the error that names them; a wait that cannot succeed (no privilege, no slot)
+// returns an error wrapping ErrRefused.
+func (p *PostgresStore) waitStandbys(ctx context.Context, pool *pgxpool.Pool, resource, holder string, generation int64, log *zap.Logger) error {
+	if p.Standbys.Empty() {
+		return nil
+	}
+	var lsn string
+	err := pool.QueryRow(ctx, standby.CommitLSNQuery).Scan(&lsn)
+	if err == nil {
+		err = p.Standbys.WaitFlushed(ctx, pool, lsn, p.FlushTimeout)
+	}
+	if err == nil {
+		return nil
+	}
+	if errors.Is(err, standby.ErrSetup) {
+		err = fmt.Errorf("lease: %w: %s generation %d: %w", ErrRefused, leaseKey(resource), generation, err)
+	} else {
+		err = fmt.Errorf("lease: %s generation %d: %w", leaseKey(resource), generation, err)
+	}
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	var ok bool
+	if rerr := pool.QueryRow(rctx, releaseQuery, resource, holder, generation).Scan(&ok); rerr != nil {
+		log.Warn("release postgres lease", zap.Error(rerr))
+	}
+	return err
 }
 
 // permanent reports an error that retrying the same call cannot change: a refusal of the

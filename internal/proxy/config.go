@@ -15,6 +15,7 @@ import (
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
 	"github.com/fenceproxy/fenceproxy/internal/lease"
+	"github.com/fenceproxy/fenceproxy/internal/standby"
 	"github.com/fenceproxy/fenceproxy/internal/wire"
 )
 
@@ -91,6 +92,14 @@ type Config struct {
 	// session's backend (fence.settled, for sessions of that database), and
 	// raises the tokens Consul hands out. Empty: none of these.
 	ControlDatabase string `help:"URL of a database on the upstream server that the proxy itself uses: to LISTEN for raises, to ask whether a raise ended a session (fence.settled), and to raise Consul's tokens proactively."`
+	// FailoverStandbys are the standbys a failover may promote (standby.Parse): a fenced
+	// session starts only once they have flushed its bind's commit, so that no raise is
+	// admitted that a failover could lose. Empty: no wait (safe only without asynchronous
+	// standbys, or with synchronous ones and synchronous_commit on in the raise).
+	FailoverStandbys []string `help:"Standbys a failover may promote, comma-separated: NAME (application_name in pg_stat_replication; the control database's role needs pg_read_all_stats), slot:NAME (a physical replication slot) or slot:* (every physical slot). A fenced session starts only once they have flushed its bind's commit (needs --control-database). Empty: no wait (see docs/failover.md)." name:"failover-standbys" sep:","`
+	// StandbyFlushTimeout bounds that wait (0: 5 s); a standby that has not confirmed by
+	// then fails the session start with ZF007, naming it.
+	StandbyFlushTimeout time.Duration `help:"How long a fenced session's start waits for --failover-standbys to flush its bind before it fails with ZF007 naming the standby." name:"standby-flush-timeout" default:"5s"`
 	// KeyFile holds the proxy key (hex), the secret that proves to the
 	// database that a bind or raise comes from fenceproxy; `fenceproxy
 	// migrate --key-file` creates it and stores it in the database. Required
@@ -168,6 +177,7 @@ type settings struct {
 	names     []string
 	upstream  upstreamAddr
 	clientTLS *tls.Config
+	standbys  standby.Set
 }
 
 func (c Config) validate() (*settings, error) {
@@ -187,6 +197,7 @@ func (c Config) validate() (*settings, error) {
 		{"flap-window", c.FlapWindow < 0, c.FlapWindow},
 		{"consul-start-timeout", c.ConsulStartTimeout < 0, c.ConsulStartTimeout},
 		{"consul-answer-timeout", c.ConsulAnswerTimeout < 0, c.ConsulAnswerTimeout},
+		{"standby-flush-timeout", c.StandbyFlushTimeout < 0, c.StandbyFlushTimeout},
 	} {
 		if n.negative {
 			return nil, fmt.Errorf("%s %v: must not be negative", n.name, n.value)
@@ -260,6 +271,15 @@ func (c Config) validate() (*settings, error) {
 		return nil, errors.New("key-file is required with resource: fenced sessions are bound with the proxy key (fenceproxy migrate --key-file creates the file and stores the key in the database)")
 	}
 	var err error
+	if s.standbys, err = standby.Parse(s.FailoverStandbys); err != nil {
+		return nil, err
+	}
+	if !s.standbys.Empty() && s.ControlDatabase == "" {
+		return nil, errors.New("failover-standbys needs control-database: the proxy reads the standbys' flush positions there (a role with pg_read_all_stats, or name slots: slot:NAME, slot:*)")
+	}
+	if s.StandbyFlushTimeout <= 0 {
+		s.StandbyFlushTimeout = standby.DefaultTimeout
+	}
 	if s.upstream, err = parseUpstream(s.Upstream, s.UpstreamSSLMode, s.UpstreamSSLRootCert); err != nil {
 		return nil, err
 	}

@@ -158,11 +158,15 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 		listening := make(chan struct{})
 		go func() {
 			defer close(listening)
-			fence.Follow(listenCtx, s.cfg.ControlDatabase, s.reg, s.log, func(synced bool) { //nolint:errcheck // returns when listenCtx ends
-				s.listenSynced.Store(synced)
-				if synced {
-					s.markReady()
-				}
+			fence.FollowUpstream(listenCtx, s.cfg.ControlDatabase, s.reg, s.log, fence.Hooks{ //nolint:errcheck // returns when listenCtx ends
+				Synced: func(synced bool) {
+					s.listenSynced.Store(synced)
+					if synced {
+						s.markReady()
+					}
+				},
+				// A failover: the registry was rebased on the new server's stored tokens.
+				Changed: s.metrics.upstreamChange,
 			})
 		}()
 		defer func() { stopListening(); <-listening }()

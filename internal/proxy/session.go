@@ -22,6 +22,7 @@ import (
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
 	"github.com/fenceproxy/fenceproxy/internal/lease"
+	"github.com/fenceproxy/fenceproxy/internal/standby"
 	"github.com/fenceproxy/fenceproxy/internal/wire"
 )
 
@@ -591,6 +592,14 @@ func (sess *session) bind(ctx context.Context) error {
 		&pgproto3.Sync{},
 		&pgproto3.Query{String: "COMMIT"},
 	}
+	standbys := sess.srv.cfg.standbys
+	answers := 3 // ReadyForQuery after the BEGIN, the Sync and the COMMIT
+	if !standbys.Empty() {
+		// The WAL position after the commit, in the same round trip: the standbys must
+		// flush up to it before the session starts (waitStandbys).
+		msgs = append(msgs, &pgproto3.Query{String: standby.FlushedLSNQuery})
+		answers++
+	}
 	var buf []byte
 	for _, m := range msgs {
 		if buf, err = m.Encode(buf); err != nil {
@@ -605,8 +614,9 @@ func (sess *session) bind(ctx context.Context) error {
 		return err
 	}
 	var row [][]byte
+	var lsn string
 	var serverErr *pgproto3.ErrorResponse
-	for ready := 0; ready < 3; {
+	for ready := 0; ready < answers; {
 		typ, _, err := sess.sr.Next()
 		if err != nil {
 			if serverErr != nil && serverErr.Severity == wire.SeverityFatal {
@@ -625,7 +635,13 @@ func (sess *session) bind(ctx context.Context) error {
 		switch typ {
 		case 'D':
 			var d pgproto3.DataRow
-			if d.Decode(body) == nil {
+			switch {
+			case d.Decode(body) != nil:
+			case ready == 3: // the LSN query's row
+				if len(d.Values) == 1 {
+					lsn = string(d.Values[0]) // a copy: the values alias the reader's buffer
+				}
+			default:
 				for _, v := range d.Values { // they alias the reader's buffer
 					row = append(row, bytes.Clone(v))
 				}
@@ -639,17 +655,48 @@ func (sess *session) bind(ctx context.Context) error {
 				return err
 			}
 		case 'Z':
-			ready++ // after the BEGIN, the Sync and the COMMIT
+			ready++
 		}
 		// Notices and the other answers of our own statements are not the client's business.
 	}
 	err = sess.bound(ctx, row, serverErr)
+	if err == nil && !standbys.Empty() {
+		err = sess.waitStandbys(ctx, lsn)
+	}
 	outcome := "bound"
 	if err != nil {
 		outcome = "refused"
 	}
 	sess.srv.metrics.bind(outcome, time.Since(started))
 	return err
+}
+
+// waitStandbys waits until the failover standbys have flushed the bind's commit (at or
+// before lsn): whether the bind raised the token here or another session's raise did, the
+// session's token is admitted for good only once a failover cannot lose it. A standby that
+// does not confirm within --standby-flush-timeout fails the start, named (fail closed).
+func (sess *session) waitStandbys(ctx context.Context, lsn string) error {
+	s, c := sess.srv, sess.cred
+	if lsn == "" {
+		return fatalFence(fence.Unavailable(c.Resource, "fenceproxy could not read the WAL position of the bind's commit, so it cannot wait for the failover standbys to flush it"))
+	}
+	started := time.Now()
+	err := s.cfg.standbys.WaitFlushed(ctx, s.control, lsn, s.cfg.StandbyFlushTimeout)
+	s.metrics.standbyWait(err, time.Since(started))
+	if err == nil {
+		return nil
+	}
+	var nf *standby.NotFlushedError
+	if errors.As(err, &nf) {
+		sess.log.Warn("failover standbys did not confirm the bind", zap.Strings("pending", nf.Pending), zap.String("lsn", lsn))
+		fe := fence.Unavailable(c.Resource, fmt.Sprintf("token %d is committed on the primary but not yet on the standbys a failover may promote: %v", c.Token, err))
+		fe.Hint = "The session is not started (fail closed). Retry once the standby streams again, or remove it from fenceproxy --failover-standbys if it can no longer be promoted (docs/failover.md)."
+		return fatalFence(fe)
+	}
+	if ctx.Err() != nil {
+		return err // the login timeout: start says so
+	}
+	return fatalFence(fence.Unavailable(c.Resource, fmt.Sprintf("cannot confirm that the failover standbys flushed the bind: %v", err)))
 }
 
 // cancelBackend asks the server to cancel what the session's backend runs.

@@ -81,6 +81,9 @@ type pgOptions struct {
 	auth string
 	ssl  bool
 	conf [][2]string
+	// standbyOf, when set, makes the cluster a streaming standby: its data folder is a base
+	// backup of that primary (see StartStandby) instead of a new initdb.
+	standbyOf *standbySource
 }
 
 // PGOption configures StartPostgres.
@@ -140,6 +143,9 @@ func LaunchPostgres(ctx context.Context, opts ...PGOption) (*Postgres, error) {
 	p := &Postgres{Host: "127.0.0.1", opts: pgOptions{auth: "trust"}}
 	for _, o := range opts {
 		o(&p.opts)
+	}
+	if src := p.opts.standbyOf; src != nil {
+		p.opts.auth = src.primary.opts.auth // the base backup copies pg_hba.conf
 	}
 	switch p.opts.auth {
 	case "trust", "password", "md5", "scram-sha-256":
@@ -239,6 +245,12 @@ func (p *Postgres) prepare() error {
 	if err := p.chown(p.base, pwfile, p.SocketDir); err != nil {
 		return err
 	}
+	if src := p.opts.standbyOf; src != nil {
+		if err := os.Remove(pwfile); err != nil {
+			return err
+		}
+		return p.prepareStandby(src)
+	}
 	initdb := p.command(p.Bin("initdb"), "-D", p.DataDir, "-U", AdminUser, "--pwfile", pwfile,
 		"-A", "trust", "--locale=C", "-E", "UTF8", "--no-sync", "--no-instructions")
 	if out, err := initdb.CombinedOutput(); err != nil {
@@ -249,7 +261,10 @@ func (p *Postgres) prepare() error {
 	}
 
 	method := p.opts.auth
-	hba := fmt.Sprintf("local all all %[1]s\nhost all all 127.0.0.1/32 %[1]s\nhost all all ::1/128 %[1]s\n", method)
+	// Replication connections (a standby's base backup and its WAL stream, StartStandby) are
+	// the superuser's, with the same method.
+	hba := fmt.Sprintf("local all all %[1]s\nhost all all 127.0.0.1/32 %[1]s\nhost all all ::1/128 %[1]s\n"+
+		"local replication all %[1]s\nhost replication all 127.0.0.1/32 %[1]s\n", method)
 	if err := os.WriteFile(filepath.Join(p.DataDir, "pg_hba.conf"), []byte(hba), 0o600); err != nil {
 		return err
 	}
@@ -266,6 +281,8 @@ func (p *Postgres) prepare() error {
 		{"full_page_writes", "off"},
 		{"password_encryption", passwordEncryption(method)},
 		{"log_line_prefix", "%m [%p] %q%u@%d "},
+		{"wal_level", "replica"}, // PostgreSQL 15's default, said: StartStandby needs it
+		{"max_wal_senders", "10"},
 	}
 	if p.opts.ssl {
 		ca, err := p.writeCerts()
@@ -277,6 +294,11 @@ func (p *Postgres) prepare() error {
 			[2]string{"ssl_cert_file", "server.crt"}, [2]string{"ssl_key_file", "server.key"})
 	}
 	conf = append(conf, p.opts.conf...)
+	return p.appendConf(conf)
+}
+
+// appendConf appends settings to the cluster's postgresql.conf (later lines win).
+func (p *Postgres) appendConf(conf [][2]string) error {
 	var b strings.Builder
 	b.WriteString("\n# testenv\n")
 	for _, kv := range conf {

@@ -1,0 +1,195 @@
+package proxy_test
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/fenceproxy/fenceproxy/internal/faulthop"
+
+	"github.com/fenceproxy/fenceproxy/internal/fence"
+	"github.com/fenceproxy/fenceproxy/internal/proxy"
+	"github.com/fenceproxy/fenceproxy/internal/testenv"
+)
+
+// replicatedDB is fencedDB with a streaming standby "s1" made after the schema, the role and
+// the table.
+func replicatedDB(t *testing.T, opts ...testenv.PGOption) (*testenv.Postgres, *testenv.Standby) {
+	t.Helper()
+	pg, _ := fencedDB(t, opts...)
+	return pg, testenv.StartStandby(t, pg, "s1")
+}
+
+func failoverProxy(t *testing.T, pg *testenv.Postgres, standbys ...string) *testenv.Proxy {
+	t.Helper()
+	return fencedProxy(t, pg, func(c *proxy.Config) {
+		c.ControlDatabase = pg.AdminURL()
+		c.FailoverStandbys = standbys
+		c.StandbyFlushTimeout = time.Second
+	})
+}
+
+// storedToken is fence.tokens' token for billing on p (0: no row).
+func storedToken(t *testing.T, p *testenv.Postgres) int64 {
+	t.Helper()
+	conn := connect(t, p.AdminURL())
+	var tok int64
+	err := conn.QueryRow(ctxT(t), "SELECT coalesce((SELECT token FROM fence.tokens WHERE resource = 'billing'), 0)").Scan(&tok)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tok
+}
+
+// TestFailoverStandbyFlushedBeforeSessionStarts (issue 21, setup 1, async standby, bare
+// tokens): a session whose bind raised to 34 starts only once the standby has flushed the
+// raise, so that after the primary's crash and the standby's promotion 34 is still the stored
+// token and a proxy in front of the new primary refuses 33 (ZF001): no stale commit.
+func TestFailoverStandbyFlushedBeforeSessionStarts(t *testing.T) {
+	pg, sb := replicatedDB(t)
+	px := failoverProxy(t, pg, "s1")
+
+	a := connect(t, px.FenceURL("app", "postgres", "billing", 33))
+	mustExec(t, a, "INSERT INTO items (tag, token) VALUES ('a', 33)")
+	b := connect(t, px.FenceURL("app", "postgres", "billing", 34))
+	// The raise was flushed by s1 before b's ReadyForQuery; cut replication at once.
+	sb.CutReplication()
+	mustExec(t, b, "INSERT INTO items (tag, token) VALUES ('b', 34)")
+	pg.Kill(t)
+	sb.Promote(t)
+
+	if got := storedToken(t, sb.Postgres); got != 34 {
+		t.Fatalf("after the failover the stored token is %d, want 34 (the raise acknowledged before it)", got)
+	}
+	after := testenv.StartProxy(t, sb.Postgres, proxy.Config{Resources: []string{"billing"}})
+	wantStale(t, connectErr(after.FenceURL("app", "postgres", "billing", 33)))
+	b2 := connect(t, after.FenceURL("app", "postgres", "billing", 34))
+	mustExec(t, b2, "INSERT INTO items (tag, token) VALUES ('b', 34)")
+	if n := count(t, b2, "SELECT count(*) FROM items WHERE token = 33 AND id > (SELECT min(id) FROM items WHERE token = 34)"); n != 0 {
+		t.Fatalf("%d rows of token 33 committed after 34", n)
+	}
+}
+
+// TestFailoverStandbyNotConfirmingFailsClosed: with the standby's replication cut, a session
+// whose bind raises fails to start with ZF007 naming the standby, by name or by slot; with
+// replication back, it starts.
+func TestFailoverStandbyNotConfirmingFailsClosed(t *testing.T) {
+	pg, sb := replicatedDB(t)
+	for _, tc := range []struct {
+		standbys []string
+		named    string
+	}{
+		{[]string{"s1"}, "standby s1"},
+		{[]string{"slot:*"}, "slot s1"},
+	} {
+		t.Run(strings.Join(tc.standbys, ","), func(t *testing.T) {
+			px := failoverProxy(t, pg, tc.standbys...)
+			tok := storedToken(t, pg) + 1
+			connect(t, px.FenceURL("app", "postgres", "billing", tok)).Close(ctxT(t))
+
+			sb.CutReplication()
+			started := time.Now()
+			err := connectErr(px.FenceURL("app", "postgres", "billing", tok+1))
+			wantCode(t, err, fence.CodeUnavailable)
+			if !strings.Contains(err.Error(), tc.named) || !strings.Contains(err.Error(), "not yet on the standbys") {
+				t.Fatalf("the error does not name %q: %v", tc.named, err)
+			}
+			if d := time.Since(started); d < time.Second || d > 10*time.Second {
+				t.Fatalf("refused after %v, want about --standby-flush-timeout (1 s)", d)
+			}
+			sb.HealReplication()
+			sb.WaitFlushed(t, pg.CurrentLSN(t), 30*time.Second)
+			connect(t, px.FenceURL("app", "postgres", "billing", tok+1)).Close(ctxT(t))
+		})
+	}
+}
+
+func TestFailoverStandbysConfig(t *testing.T) {
+	_, err := proxy.New(proxy.Config{Upstream: "postgres://127.0.0.1:5432", FailoverStandbys: []string{"s1"}}, proxy.Options{})
+	if err == nil || !strings.Contains(err.Error(), "control-database") {
+		t.Fatalf("--failover-standbys without --control-database: %v", err)
+	}
+	_, err = proxy.New(proxy.Config{Upstream: "postgres://127.0.0.1:5432", ControlDatabase: "postgres://127.0.0.1/x", FailoverStandbys: []string{"slot:"}}, proxy.Options{})
+	if err == nil || !strings.Contains(err.Error(), "slot:NAME") {
+		t.Fatalf("slot: without a name: %v", err)
+	}
+}
+
+// TestFailoverProxyFollowsNewPrimary (issue 21, setup 4): a proxy left running while its
+// upstream address moves to the promoted standby (a virtual IP: a relay retargeted) forgets
+// the token it saw on the lost timeline (35, never replicated), counts the change, and admits
+// the new primary's legitimate leader (34) instead of locking it out; 33 stays refused.
+func TestFailoverProxyFollowsNewPrimary(t *testing.T) {
+	pg, sb := replicatedDB(t)
+	vip, err := faulthop.Start("", fmt.Sprintf("%s:%d", pg.Host, pg.Port))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = vip.Close(context.Background()) })
+	vipURL := func(db string) string {
+		return fmt.Sprintf("postgres://%s:%s@%s/%s?sslmode=disable", testenv.AdminUser, testenv.AdminPassword, vip.Addr, db)
+	}
+	px := testenv.StartProxy(t, pg, proxy.Config{
+		Upstream:        "postgres://" + vip.Addr,
+		Resources:       []string{"billing"},
+		ControlDatabase: vipURL("postgres"),
+	})
+
+	connect(t, px.FenceURL("app", "postgres", "billing", 33)).Close(ctxT(t))
+	sb.WaitFlushed(t, pg.CurrentLSN(t), 30*time.Second)
+	sb.CutReplication()
+	connect(t, px.FenceURL("app", "postgres", "billing", 35)).Close(ctxT(t)) // lost with the primary
+	if h := px.Registry.Highest("postgres", "billing"); h != 35 {
+		t.Fatalf("the proxy knows token %d, want 35", h)
+	}
+
+	pg.Kill(t)
+	sb.Promote(t)
+	vip.Retarget(fmt.Sprintf("%s:%d", sb.Host, sb.Port))
+	vip.Cut()
+
+	deadline := time.Now().Add(30 * time.Second)
+	for testutil.ToFloat64(px.Metrics.UpstreamChanges.WithLabelValues("timeline")) < 1 {
+		if time.Now().After(deadline) {
+			t.Fatalf("the proxy did not notice the new timeline within 30 s (it knows token %d)", px.Registry.Highest("postgres", "billing"))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if h := px.Registry.Highest("postgres", "billing"); h != 33 {
+		t.Fatalf("after the failover the proxy knows token %d, want 33 (the new primary's)", h)
+	}
+	c := connect(t, px.FenceURL("app", "postgres", "billing", 34))
+	mustExec(t, c, "INSERT INTO items (tag, token) VALUES ('c', 34)")
+	wantStale(t, connectErr(px.FenceURL("app", "postgres", "billing", 33)))
+}
+
+// TestFailoverSyncStandbyRoleSyncCommitOff (issue 21, setup 3): with a synchronous standby
+// (synchronous_standby_names) and ALTER ROLE app SET synchronous_commit = off, a raise must
+// still wait for the standby: with replication cut, the session whose bind raises does not
+// start, and after the failover the stale leader's token is refused or its raise is there.
+// fence.commit_durably makes every raise commit with synchronous_commit = on.
+func TestFailoverSyncStandbyRoleSyncCommitOff(t *testing.T) {
+	pg, sb := replicatedDB(t) // testenv: synchronous_commit off by default; on for the raise only
+	makeSynchronous(t, pg, "s1")
+	pg.Exec(t, "ALTER ROLE app SET synchronous_commit = off")
+	px := fencedProxy(t, pg, func(c *proxy.Config) { c.LoginTimeout = 2 * time.Second })
+
+	connect(t, px.FenceURL("app", "postgres", "billing", 33)).Close(ctxT(t))
+	sb.WaitFlushed(t, pg.CurrentLSN(t), 30*time.Second)
+	sb.CutReplication()
+	err := connectErr(px.FenceURL("app", "postgres", "billing", 34))
+	if err == nil {
+		pg.Kill(t)
+		sb.Promote(t)
+		t.Fatalf("the session raising to 34 started with its synchronous standby cut off; after the failover the stored token is %d", storedToken(t, sb.Postgres))
+	}
+	pg.Kill(t)
+	sb.Promote(t)
+	if got := storedToken(t, sb.Postgres); got != 33 {
+		t.Fatalf("stored token %d after the failover, want 33", got)
+	}
+}

@@ -1,0 +1,195 @@
+// Package standby waits until the standbys that a failover may promote have flushed a
+// commit: a raise of a fencing token (or a PostgreSQL lease's new generation) counts as
+// admitted only once it is on every one of them, or a failover could lose it and admit the
+// stale leader again (issue 21).
+//
+// Which standbys count is the operator's choice (Set): standbys by application_name, as the
+// primary's pg_stat_replication shows them (their flush_lsn), and physical replication slots
+// (their restart_lsn, which the primary moves to the standby's reported flush position),
+// named or every physical slot. A named standby that is not streaming, or a slot that has not
+// reached the commit, does not confirm: the wait fails closed and names it.
+package standby
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// DefaultTimeout bounds a wait when the caller gives none.
+const DefaultTimeout = 5 * time.Second
+
+// Set is the standbys whose flush a commit waits for. The zero Set waits for none.
+type Set struct {
+	Names    []string // application_name in pg_stat_replication
+	Slots    []string // physical replication slots
+	AllSlots bool     // every physical replication slot (at least one must exist)
+}
+
+// Parse reads the operator's list: NAME (a standby by application_name), slot:NAME (a
+// physical replication slot) or slot:* (every physical replication slot).
+func Parse(list []string) (Set, error) {
+	var s Set
+	seen := map[string]bool{}
+	for _, raw := range list {
+		item := strings.TrimSpace(raw)
+		if item == "" {
+			continue
+		}
+		if seen[item] {
+			return Set{}, fmt.Errorf("failover standby %q named twice", item)
+		}
+		seen[item] = true
+		name, isSlot := strings.CutPrefix(item, "slot:")
+		switch {
+		case isSlot && name == "*":
+			s.AllSlots = true
+		case isSlot && name != "":
+			s.Slots = append(s.Slots, name)
+		case isSlot:
+			return Set{}, errors.New("failover standby \"slot:\" names no slot: write slot:NAME, or slot:* for every physical replication slot")
+		default:
+			s.Names = append(s.Names, name)
+		}
+	}
+	return s, nil
+}
+
+// Empty reports whether the set waits for nothing.
+func (s Set) Empty() bool { return len(s.Names) == 0 && len(s.Slots) == 0 && !s.AllSlots }
+
+// String is the set as Parse reads it.
+func (s Set) String() string {
+	out := append([]string(nil), s.Names...)
+	for _, n := range s.Slots {
+		out = append(out, "slot:"+n)
+	}
+	if s.AllSlots {
+		out = append(out, "slot:*")
+	}
+	return strings.Join(out, ",")
+}
+
+// Querier is a *pgx.Conn or a *pgxpool.Pool on the primary.
+type Querier interface {
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// CommitLSNQuery reads, on the connection that just committed, a WAL position at or after
+// the end of its commit record (the insert position: also with synchronous_commit off,
+// where the commit may not be written yet). The PostgreSQL lease waits for it.
+const CommitLSNQuery = "SELECT pg_current_wal_insert_lsn()::text"
+
+// FlushedLSNQuery reads the primary's locally flushed WAL position. A fenced session's bind
+// waits for it: every raise commits with synchronous_commit at least local (fence.raise),
+// so a raise the bind saw (its own, or the one that admitted its token) is flushed at or
+// before it, while the bind's own record of the session, which no failover needs, may be
+// written later (synchronous_commit off; waiting for it measured about 110 ms more, the WAL
+// writer's delay).
+const FlushedLSNQuery = "SELECT pg_current_wal_flush_lsn()::text"
+
+// pendingQuery lists, for the set ($1 names, $2 slots, $3 every physical slot), the members
+// that have not flushed $4, each described, and how many members there are; it also says
+// whether the role can read pg_stat_replication's positions and whether this server is in
+// recovery (a standby has no standbys to ask).
+const pendingQuery = `
+WITH want AS (
+    SELECT n AS name, 'standby' AS kind FROM unnest($1::text[]) n
+    UNION SELECT n, 'slot' FROM unnest($2::text[]) n
+    UNION SELECT slot_name::text, 'slot' FROM pg_replication_slots WHERE $3 AND slot_type = 'physical'
+), pos AS (
+    SELECT w.name, w.kind,
+        CASE w.kind
+            WHEN 'standby' THEN (SELECT max(r.flush_lsn) FROM pg_stat_replication r WHERE r.application_name = w.name)
+            ELSE (SELECT s.restart_lsn FROM pg_replication_slots s WHERE s.slot_name = w.name AND s.slot_type = 'physical')
+        END AS flushed
+    FROM want w
+)
+SELECT coalesce(array_agg(p.kind || ' ' || p.name || CASE WHEN p.flushed IS NULL THEN ' (not streaming)'
+            ELSE ' (flushed up to ' || p.flushed::text || ')' END ORDER BY p.kind, p.name)
+        FILTER (WHERE p.flushed IS NULL OR p.flushed < $4::pg_lsn), '{}'),
+    count(*),
+    pg_has_role('pg_read_all_stats', 'USAGE'),
+    pg_is_in_recovery()
+FROM pos p`
+
+// NotFlushedError is a wait that ran out: Pending names what did not confirm.
+type NotFlushedError struct {
+	LSN     string
+	Pending []string // e.g. "standby s1 (not streaming)", "slot s2 (flushed up to 0/3000060)"
+	Timeout time.Duration
+}
+
+func (e *NotFlushedError) Error() string {
+	return fmt.Sprintf("%s did not confirm the flush of WAL position %s within %v: a failover to it could lose the commit",
+		strings.Join(e.Pending, ", "), e.LSN, e.Timeout)
+}
+
+// ErrSetup is a wait that cannot succeed whatever the standbys do (a role without
+// pg_read_all_stats, no physical slot for slot:*, a server in recovery): retrying will not
+// help, the operator must act.
+var ErrSetup = errors.New("failover standbys")
+
+// WaitFlushed waits until every member of s has flushed lsn, polling on q (every
+// millisecond at first, then less often), at most timeout (0: DefaultTimeout) or until ctx
+// ends. The empty set returns at once.
+func (s Set) WaitFlushed(ctx context.Context, q Querier, lsn string, timeout time.Duration) error {
+	if s.Empty() {
+		return nil
+	}
+	if timeout <= 0 {
+		timeout = DefaultTimeout
+	}
+	wctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	names, slots := s.Names, s.Slots
+	if names == nil {
+		names = []string{}
+	}
+	if slots == nil {
+		slots = []string{}
+	}
+	pause := 500 * time.Microsecond
+	var pending []string
+	for {
+		var members int
+		var canRead, recovering bool
+		err := q.QueryRow(wctx, pendingQuery, names, slots, s.AllSlots, lsn).Scan(&pending, &members, &canRead, &recovering)
+		switch {
+		case err != nil && wctx.Err() != nil:
+			return s.timedOut(ctx, lsn, pending, timeout)
+		case err != nil:
+			return fmt.Errorf("%w: read the standbys' flush positions: %w", ErrSetup, err)
+		case recovering:
+			return fmt.Errorf("%w: the server is a standby (in recovery), not the primary whose standbys count", ErrSetup)
+		case len(s.Names) > 0 && !canRead:
+			return fmt.Errorf("%w: this role cannot read pg_stat_replication's flush positions: GRANT pg_read_all_stats (or pg_monitor) TO it, or name slots (slot:NAME, slot:*) instead", ErrSetup)
+		case members == 0:
+			return fmt.Errorf("%w: slot:* counts every physical replication slot, and the server has none: create one per standby (pg_basebackup -C -S NAME, primary_slot_name) or name the standbys", ErrSetup)
+		case len(pending) == 0:
+			return nil
+		}
+		t := time.NewTimer(pause)
+		select {
+		case <-wctx.Done():
+			t.Stop()
+			return s.timedOut(ctx, lsn, pending, timeout)
+		case <-t.C:
+		}
+		pause = min(pause*2, 10*time.Millisecond)
+	}
+}
+
+func (s Set) timedOut(ctx context.Context, lsn string, pending []string, timeout time.Duration) error {
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
+	if len(pending) == 0 {
+		pending = []string{s.String()}
+	}
+	return &NotFlushedError{LSN: lsn, Pending: pending, Timeout: timeout}
+}
