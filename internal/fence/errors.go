@@ -153,7 +153,7 @@ func Unavailable(resource, why string) *Error {
 	return &Error{
 		Code:     CodeUnavailable,
 		Message:  fmt.Sprintf("fencing unavailable for resource %q: %s", resource, why),
-		Hint:     "No token is admitted until the proxy can confirm it; retry later. See the README, 'When Consul is unreachable' and 'LockIndex regressions'.",
+		Hint:     "No token is admitted until the proxy can confirm it; retry later. See docs/consul.md, 'When Consul is unreachable' and 'LockIndex regressions'.",
 		Resource: resource,
 	}
 }
@@ -171,7 +171,7 @@ func Regression(resource, why string) *Error {
 	fe := Unavailable(resource, "LockIndex regression: "+why)
 	fe.Err = errRegression
 	fe.Hint = "An operator must reset the resource: `fenceproxy fence reset --resource " + resource +
-		" --token <the lock's current token>` on the database; proxies whose --control-database is that database follow it at once, restart the others (README: LockIndex regressions)."
+		" --token <the lock's current token>` on the database; proxies whose --control-database is that database follow it at once, restart the others (docs/consul.md: LockIndex regressions)."
 	return fe
 }
 

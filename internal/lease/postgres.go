@@ -115,7 +115,7 @@ func (p *PostgresStore) Campaign(ctx context.Context, resource string) (Lease, e
 			case "3F000", "42883":
 				hint = " (is the fence schema of this database at version 5? run fenceproxy migrate)"
 			case "42501":
-				hint = " (grant this role EXECUTE on fence.lease_acquire, fence.lease_renew and fence.lease_release: README, The PostgreSQL lease)"
+				hint = " (grant this role EXECUTE on fence.lease_acquire, fence.lease_renew and fence.lease_release: docs/postgres-lease.md)"
 			case "ZF003", "ZF005":
 				hint = " (the lease's --database must reach PostgreSQL directly, not through fenceproxy: the lease is what gives the token)"
 			}
