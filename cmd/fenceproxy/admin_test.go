@@ -160,7 +160,7 @@ func TestServeAdminAndReload(t *testing.T) {
 	_, metrics := get("/metrics")
 	for _, want := range []string{`fenceproxy_leader_token{resource="billing"} 3`, `fenceproxy_resource_sessions{resource="billing",token="3"} 1`,
 		`fenceproxy_resource_refusals_total{resource="billing",sqlstate="ZF001"} 1`, `fenceproxy_leader_changes_total{resource="billing"} 0`,
-		`fenceproxy_resource_info{resource="billing",store="database"} 1`} {
+		`fenceproxy_resource_info{resource="billing",store="bare"} 1`} {
 		if !strings.Contains(metrics, want) {
 			t.Errorf("/metrics lacks %s", want)
 		}

@@ -8,8 +8,8 @@
 //	fenceproxy lock    --store postgres --database postgres://lock@127.0.0.1:5432/app --resource billing --database-url postgres://app@127.0.0.1:7432/app -- ./billing
 //
 // Every flag can also be set by an environment variable FENCEPROXY_<FLAG>
-// (for example FENCEPROXY_UPSTREAM) and in a JSON file given with --config
-// whose keys are the flag names.
+// (for example FENCEPROXY_UPSTREAM) and in a YAML or JSON file given with
+// --config whose keys are the flag names (deploy/fenceproxy.yaml sets every one).
 package main
 
 import (
@@ -33,7 +33,7 @@ import (
 
 // globals are flags every subcommand takes.
 type globals struct {
-	Config    kong.ConfigFlag `help:"JSON configuration file; its keys are the flag names (e.g. {\"listen\": \"127.0.0.1:7432\", \"resource\": [\"billing\"]})." type:"path"`
+	Config    kong.ConfigFlag `help:"Configuration file, YAML (.yaml, .yml) or JSON; its keys are the flag names (e.g. listen: 127.0.0.1:7432)." type:"path"`
 	LogLevel  string          `help:"Log level: debug, info, warn, error." default:"info" enum:"debug,info,warn,error"`
 	LogFormat string          `help:"Log format: json or console." default:"json" enum:"json,console"`
 }
@@ -231,7 +231,7 @@ func newParser(c *cli) (*kong.Kong, error) {
 		kong.Description("PostgreSQL proxy that fences stale leaders: each session is bound to its fencing token inside PostgreSQL, and admitting a higher token ends the sessions of lower ones."),
 		kong.UsageOnError(),
 		kong.DefaultEnvars("FENCEPROXY"),
-		kong.Configuration(configJSON),
+		kong.Configuration(configFile),
 	)
 }
 

@@ -10,18 +10,54 @@ import (
 // SQLSTATEs of fencing rejections. Class ZF: the SQL standard leaves classes
 // beginning with I to Z to implementations, and PostgreSQL uses none
 // beginning with Z.
+//
+// Each constant's comment is the error reference of docs/errors.md (go generate
+// ./cmd/fenceproxy writes it; TestReference checks that it is current).
 const (
-	CodeStale          = "ZF001" // a higher token was admitted for the resource
-	CodeNotIssued      = "ZF002" // token higher than the lock's LockIndex in Consul
-	CodeMissing        = "ZF003" // no token where one is required
-	CodeMalformed      = "ZF004" // token or resource parameter malformed
-	CodeUnknown        = "ZF005" // resource not configured
-	CodeNotHeld        = "ZF006" // the lock is held by nobody
-	CodeUnavailable    = "ZF007" // token state unknown: fail closed
-	CodeNotAllowed     = "ZF008" // the session is bound already (a backend is bound once)
-	CodeHolderMismatch = "ZF009" // fence.session is not the lock's holder
-	CodeProof          = "ZF010" // a bind or raise without the proxy's proof (key mismatch)
-	CodeRaiseFailed    = "ZF011" // a raise could not end the stale backends, or prepared transactions exist
+	// A higher token was admitted for the resource: the write, or the session, is stale.
+	// Message: "stale fencing token: resource "billing" token 33 is lower than the highest
+	// admitted token 34".
+	CodeStale = "ZF001"
+	// A token higher than the lock's current one, so never issued: above Consul's LockIndex
+	// (or create-lock token), the PostgreSQL lease's generation, the etcd leader key's
+	// CreateRevision or the ZooKeeper lock node's czxid. Message: "fencing token not issued".
+	CodeNotIssued = "ZF002"
+	// No token where one is required (--unfenced reject), fence.resource without
+	// fence.token, or no fence.session for a resource that etcd or ZooKeeper validates (or
+	// Consul with --consul-require-session). Message: "fencing token missing", "fencing
+	// session missing".
+	CodeMissing = "ZF003"
+	// A malformed fence.token or fence.resource (from the proxy), an unknown fence.* startup
+	// parameter, or malformed arguments of a fence.* call (from the database). Message:
+	// "fencing parameter malformed", "malformed fencing token", "malformed fencing resource
+	// name".
+	CodeMalformed = "ZF004"
+	// The resource is not configured in this proxy (checked before authentication, so
+	// resource names are not secret). Message: "unknown fencing resource".
+	CodeUnknown = "ZF005"
+	// Nobody holds the lock: the lease expired or was released, or the Consul key does not
+	// exist. Message: "fencing lock not held".
+	CodeNotHeld = "ZF006"
+	// Fencing cannot be decided, so the proxy fails closed: the lock service is unreachable,
+	// or its numbers went backwards (a regression), or it showed one number held by two
+	// holders; or the bind could not run: no proxy key stored, the fence schema missing or
+	// too old, the schema owner without pg_read_all_stats, a transaction that is not READ
+	// COMMITTED, a server that sent no BackendKeyData. Message: "fencing unavailable", or
+	// "fenceproxy could not bind the session".
+	CodeUnavailable = "ZF007"
+	// The session is bound already: a backend is bound once, and client SQL cannot re-bind
+	// it. Message: "not allowed in a fenced session".
+	CodeNotAllowed = "ZF008"
+	// fence.session is not the lock's holder (Consul's session, etcd's lease, ZooKeeper's
+	// session; the PostgreSQL lease does not read it). Message: "fencing session mismatch".
+	CodeHolderMismatch = "ZF009"
+	// fence.bind, fence.raise or fence.settled without the proxy's proof: client SQL, or a
+	// proxy whose --key-file is not the key stored in the database. Message: "fencing proof
+	// invalid".
+	CodeProof = "ZF010"
+	// A raise could not end the backends bound to lower tokens within 5 s, or prepared
+	// transactions exist in the database; nothing was raised. Message: "fencing raise failed".
+	CodeRaiseFailed = "ZF011"
 )
 
 // Error is a fencing rejection. It carries the SQLSTATE the client sees.
@@ -117,7 +153,7 @@ func Unavailable(resource, why string) *Error {
 	return &Error{
 		Code:     CodeUnavailable,
 		Message:  fmt.Sprintf("fencing unavailable for resource %q: %s", resource, why),
-		Hint:     "No token is admitted until the proxy can confirm it; retry later. See the README, 'When Consul is unreachable' and 'LockIndex regressions'.",
+		Hint:     "No token is admitted until the proxy can confirm it; retry later. See docs/consul.md, 'When Consul is unreachable' and 'LockIndex regressions'.",
 		Resource: resource,
 	}
 }
@@ -135,7 +171,7 @@ func Regression(resource, why string) *Error {
 	fe := Unavailable(resource, "LockIndex regression: "+why)
 	fe.Err = errRegression
 	fe.Hint = "An operator must reset the resource: `fenceproxy fence reset --resource " + resource +
-		" --token <the lock's current token>` on the database; proxies whose --control-database is that database follow it at once, restart the others (README: LockIndex regressions)."
+		" --token <the lock's current token>` on the database; proxies whose --control-database is that database follow it at once, restart the others (docs/consul.md: LockIndex regressions)."
 	return fe
 }
 

@@ -126,7 +126,7 @@ func (p *PostgresStore) Campaign(ctx context.Context, resource string) (Lease, e
 			case "3F000", "42883":
 				hint = fmt.Sprintf(" (this fenceproxy needs fence schema version %d in this database: run fenceproxy migrate)", fence.SchemaVersion)
 			case "42501":
-				hint = " (grant this role EXECUTE on fence.lease_acquire, fence.lease_renew and fence.lease_release: README, The PostgreSQL lease)"
+				hint = " (grant this role EXECUTE on fence.lease_acquire, fence.lease_renew and fence.lease_release: docs/postgres-lease.md)"
 			case "ZF003", "ZF005":
 				hint = " (the lease's --database must reach PostgreSQL directly, not through fenceproxy: the lease is what gives the token)"
 			}

@@ -317,7 +317,7 @@ func (g *Guard) AdmitHolder(ctx context.Context, c fence.Credentials) (string, e
 	if g.requireSession && c.Session == "" {
 		return "", &fence.Error{Code: fence.CodeMissing, Resource: c.Resource, Token: c.Token,
 			Message: fmt.Sprintf("fencing session missing: resource %q is validated by Consul and this proxy requires fence.session (--consul-require-session): set it to the Consul session ID that holds the lock", c.Resource),
-			Hint:    "fenceproxy lock puts it in DATABASE_URL and FENCE_SESSION; see the README's token table."}
+			Hint:    "fenceproxy lock puts it in DATABASE_URL and FENCE_SESSION; see docs/applications.md."}
 	}
 	vctx, cancel := context.WithTimeout(ctx, g.answerTimeout)
 	st, err := g.watcher.Validate(vctx, key, c.Token, c.Session)

@@ -212,7 +212,7 @@ func (g *EtcdGuard) failClosed(res, why string) {
 	}
 	fe := fence.Unavailable(res, "etcd's revisions went backwards: "+why)
 	fe.Hint = "Restore etcd with etcdutl snapshot restore --bump-revision, or reset the resource's fence (`fenceproxy fence reset --resource " +
-		res + " --token <the new leader's revision>`), then restart the proxies (README: The etcd store, What a restore does)."
+		res + " --token <the new leader's revision>`), then restart the proxies (docs/etcd.md: What a restore does)."
 	g.regress[res] = fe
 	g.log.Error("failing closed: etcd revision regression", zap.String("resource", res), zap.String("store", lease.StoreEtcd), zap.String("why", why))
 	g.reg.Block(res, fe)
@@ -294,7 +294,7 @@ func admitHolder(c fence.Credentials, current int64, err error, w holderWords) e
 	case c.Session == "":
 		return &fence.Error{Code: fence.CodeMissing, Resource: c.Resource, Token: c.Token,
 			Message: fmt.Sprintf("fencing session missing: resource %q is validated by %s, and a session must name its lock's holder: set fence.session to the %s ID (hex) this process holds the lock with", c.Resource, w.store, w.holderKind),
-			Hint:    "fenceproxy lock puts it in DATABASE_URL and FENCE_SESSION; see the README's token table."}
+			Hint:    "fenceproxy lock puts it in DATABASE_URL and FENCE_SESSION; see docs/applications.md."}
 	case !strings.EqualFold(c.Session, w.holder):
 		fe := fence.HolderMismatch(c.Resource, c.Session, w.holder)
 		fe.Message = fmt.Sprintf("fencing session mismatch: resource %q token %d is held by %s %s, not %s", c.Resource, c.Token, w.holderKind, w.holder, c.Session)
