@@ -8,7 +8,7 @@
  *
  * Every action names, in a comment, the SQL function of migrations/ it stands for and the
  * proof obligation it discharges (P1-P7 of migration 4, L1'-L6 of 5 and 8, C1-C5 of 7 and 8);
- * model/check-names.sh checks that every fence.<name> written here exists in migrations/.
+ * model/check-names.sh checks that every fence.<name> written here exists in the current schema.
  * The failover pieces stand for issue 21's design, marked "issue 21".
  *
  * Switches (spin -D...):
