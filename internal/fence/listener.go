@@ -55,7 +55,7 @@ type Hooks struct {
 	Synced func(bool)
 	// Changed is called when a (re)connection finds another server than the last one: kind
 	// "server" (another system identifier) or "timeline" (the same cluster on a new timeline:
-	// a promoted standby). Nil: not told.
+	// a promoted standby), once the registry holds the new server's tokens. Nil: not told.
 	Changed func(kind string)
 }
 
@@ -86,8 +86,18 @@ func FollowUpstream(ctx context.Context, url string, reg *Registry, log *zap.Log
 	}
 	backoff := 100 * time.Millisecond
 	var last *Upstream
+	// changedKind is a change seen before the sync; h.Changed hears of it once the registry
+	// is rebased, so that whoever counts the change sees the new timeline's tokens.
+	changedKind := ""
+	afterSync := func() {
+		if changedKind != "" && h.Changed != nil {
+			h.Changed(changedKind)
+		}
+		changedKind = ""
+		synced(true)
+	}
 	for {
-		err := listenOnce(ctx, url, reg, func() { synced(true) }, func(now Upstream, database string) bool {
+		err := listenOnce(ctx, url, reg, afterSync, func(now Upstream, database string) bool {
 			changed := last != nil && *last != now
 			kind := "timeline"
 			if last != nil && last.SystemID != now.SystemID {
@@ -98,9 +108,7 @@ func FollowUpstream(ctx context.Context, url string, reg *Registry, log *zap.Log
 					zap.String("kind", kind), zap.String("database", database),
 					zap.String("system_identifier", now.SystemID), zap.Int64("timeline", now.Timeline),
 					zap.String("was_system_identifier", last.SystemID), zap.Int64("was_timeline", last.Timeline))
-				if h.Changed != nil {
-					h.Changed(kind)
-				}
+				changedKind = kind
 			}
 			last = &now
 			return changed

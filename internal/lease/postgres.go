@@ -137,9 +137,13 @@ func (p *PostgresStore) Campaign(ctx context.Context, resource string) (Lease, e
 			continue
 		case acquired:
 			if err := p.waitStandbys(ctx, pool, resource, holder, generation, log); err != nil {
-				if errors.Is(err, ErrRefused) || ctx.Err() != nil {
+				if errors.Is(err, ErrRefused) {
 					pool.Close()
 					return nil, err
+				}
+				if ctx.Err() != nil { // the campaign's end, whatever the last wait said
+					pool.Close()
+					return nil, fmt.Errorf("lease: campaign for %s ended: %w (the last acquisition was released: %w)", leaseKey(resource), ctx.Err(), err)
 				}
 				log.Warn("acquired postgres lease released: not on the failover standbys", zap.Int64("generation", generation), zap.Error(err))
 				retry.wait(ctx)

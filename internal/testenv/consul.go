@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -187,14 +188,22 @@ func launchConsul(ctx context.Context, acl bool) (*Consul, error) {
 	}
 }
 
+// pickPorts picks four distinct free ports: PickFreePort draws each at random and closes it
+// again, so two draws can return the same port (the agent then refuses to start: "Serf
+// Advertise WAN address ... already configured for Serf Advertise LAN").
 func (c *Consul) pickPorts() error {
 	var ports [4]int
 	for i := range ports {
-		port, err := PickFreePort()
-		if err != nil {
-			return err
+		for {
+			port, err := PickFreePort()
+			if err != nil {
+				return err
+			}
+			if !slices.Contains(ports[:i], port) {
+				ports[i] = port
+				break
+			}
 		}
-		ports[i] = port
 	}
 	c.ports = consulPorts{http: ports[0], serfLAN: ports[1], serfWAN: ports[2], server: ports[3]}
 	c.Addr = "127.0.0.1:" + strconv.Itoa(c.ports.http)

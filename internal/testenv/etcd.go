@@ -79,7 +79,10 @@ func LaunchEtcd(ctx context.Context) (*Etcd, error) {
 	e := &Etcd{base: base, DataDir: filepath.Join(base, "data"), LogFile: filepath.Join(base, "etcd.log")}
 	for attempt := 1; ; attempt++ {
 		if e.clientPort, err = PickFreePort(); err == nil {
-			e.peerPort, err = PickFreePort()
+			// two random draws can be the same port
+			for e.peerPort = e.clientPort; err == nil && e.peerPort == e.clientPort; {
+				e.peerPort, err = PickFreePort()
+			}
 		}
 		if err == nil {
 			e.Endpoint = "http://127.0.0.1:" + strconv.Itoa(e.clientPort)
