@@ -57,6 +57,8 @@ func TestAdminConsole(t *testing.T) {
 	// A fenced session of billing, token 5, open through the proxy: what the lists show.
 	app := connect(t, p.FenceURL("app", "postgres", "billing", 5)+"&password=app")
 	mustExec(t, app, "SELECT 1")
+	// And a stale token refused: what SHOW REFUSALS shows.
+	wantStale(t, connectErr(p.FenceURL("app", "postgres", "billing", 4)+"&password=app"))
 
 	t.Run("psql every command", func(t *testing.T) {
 		for _, tc := range []struct{ cmd, want string }{
@@ -65,8 +67,8 @@ func TestAdminConsole(t *testing.T) {
 			{"SHOW FENCES", "billing|bare|5|||"},
 			{"SHOW BINDINGS", "billing|5|1|f"},
 			{"SHOW CLIENTS", "|app|postgres|billing|5|f|idle|"},
-			{"SHOW REFUSALS", ""},
-			{"SHOW STATS", "fenceproxy_resource_sessions|resource=billing,token=5|1"},
+			{"SHOW REFUSALS", "|billing|4|ZF001|stale fencing token"},
+			{"SHOW STATS", "fenceproxy_leader_token|resource=billing|5\n"},
 			{"SHOW FENCES; SHOW VERSION", "fenceproxy "},
 		} {
 			out, stderr, err := runPsql(t, pg, console, nil, "-c", tc.cmd)
@@ -140,9 +142,11 @@ func TestAdminConsole(t *testing.T) {
 		if err != nil || n == 0 {
 			t.Errorf("SHOW STATS: %d rows, %v", n, err)
 		}
-		tag, err := conn.Exec(ctx, "SHOW BINDINGS")
-		if err != nil || tag.String() != "SHOW 1" {
-			t.Errorf("SHOW BINDINGS: %q %v", tag, err)
+		for cmd, tag := range map[string]string{"SHOW BINDINGS": "SHOW 1", "SHOW HELP": "SHOW 10", "SHOW REFUSALS": "SHOW 1", "show fences": "SHOW 2"} {
+			got, err := conn.Exec(ctx, cmd)
+			if err != nil || got.String() != tag {
+				t.Errorf("%s: %q %v, want %s", cmd, got, err, tag)
+			}
 		}
 	})
 
@@ -333,9 +337,20 @@ func TestAdminConsole(t *testing.T) {
 		}
 		// fenceproxy is now a name for the server, which has no such database.
 		wantCode(t, connectErr(p.FenceURL("ops", "fenceproxy", "other", 1)+"&password=ops-secret"), "3D000")
-		out, stderr, err := runPsql(t, pg, p.URLWithPassword("ops", "ops-secret", "fenceproxy_admin"), nil, "-c", "SHOW VERSION")
+		renamed := p.URLWithPassword("ops", "ops-secret", "fenceproxy_admin")
+		out, stderr, err := runPsql(t, pg, renamed, nil, "-c", "SHOW VERSION")
 		if err != nil || !strings.Contains(out, "fenceproxy ") {
 			t.Errorf("the renamed console: %v %s %s", err, stderr, out)
+		}
+		// No admin users: the console is closed to everyone, and says what opens it.
+		setNext(func(c *proxy.Config) { c.AdminUsers = nil })
+		if _, stderr, err := runPsql(t, pg, renamed, nil, "-c", "RELOAD"); err != nil {
+			t.Fatalf("RELOAD: %v %s", err, stderr)
+		}
+		err = connectErr(renamed)
+		wantCode(t, err, "28000")
+		if !strings.Contains(err.Error(), `the fenceproxy admin console (database "fenceproxy_admin") is closed: fenceproxy --admin-users is empty`) {
+			t.Errorf("the closed console: %v", err)
 		}
 	})
 }

@@ -6,6 +6,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"strconv"
 	"strings"
@@ -280,7 +281,12 @@ func (c *console) result(tag string, cols []column, rows [][]any) {
 			case bool:
 				dr.Values[i] = []byte{"ft"[b2i(v)]}
 			case float64:
-				dr.Values[i] = strconv.AppendFloat(nil, v, 'g', -1, 64)
+				// As PostgreSQL's float8: no exponent for a timestamp or a count.
+				f := byte('g')
+				if a := math.Abs(v); a == 0 || a >= 1e-4 && a < 1e15 {
+					f = 'f'
+				}
+				dr.Values[i] = strconv.AppendFloat(nil, v, f, -1, 64)
 			case time.Time:
 				dr.Values[i] = v.UTC().AppendFormat(nil, "2006-01-02 15:04:05.999999-07")
 			default:

@@ -174,11 +174,11 @@ func (s *Server) handle(ctx context.Context, conn net.Conn) {
 		}
 		return
 	}
+	s.metrics.sessionOutcome("ok")
 	if sess.console {
 		s.serveConsole(ctx, sess)
 		return
 	}
-	s.metrics.sessionOutcome("ok")
 	s.metrics.sessions(1)
 	defer s.metrics.sessions(-1)
 	s.track(sess, true)
