@@ -191,6 +191,9 @@ func TestAdminConsole(t *testing.T) {
 		if _, err := conn.Exec(ctx, ";"); err != nil {
 			t.Errorf("an empty query: %v", err)
 		}
+		if err := conn.Ping(ctx); err != nil { // "-- ping"
+			t.Errorf("pgx's Ping: %v", err)
+		}
 		if _, err := conn.Exec(ctx, "SHOW VERSION"); err != nil {
 			t.Errorf("after the errors the console answers no more: %v", err)
 		}

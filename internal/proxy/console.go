@@ -182,7 +182,13 @@ func (c *console) notice(severity, message string) {
 }
 
 // query runs the statements of a simple Query, separated by semicolons, up to the first error.
+// Comments (-- to the end of the line) are dropped: pgx's Ping sends "-- ping".
 func (c *console) query(ctx context.Context, query string) {
+	lines := strings.Split(query, "\n")
+	for i, l := range lines {
+		lines[i], _, _ = strings.Cut(l, "--")
+	}
+	query = strings.Join(lines, "\n")
 	ran := false
 	for stmt := range strings.SplitSeq(query, ";") {
 		words := strings.Fields(stmt)
