@@ -28,7 +28,9 @@ import (
 func TestAdminConsole(t *testing.T) {
 	pg, _ := fencedDB(t, testenv.WithAuth("scram-sha-256"))
 	pg.CreateRole(t, "ops", "ops-secret")
-	base := proxy.Config{Resources: []string{"billing", "other"}, AdminUsers: []string{"ops"}}
+	ca := newCA(t)
+	cert, key := ca.issue(t, "proxy")
+	base := proxy.Config{Resources: []string{"billing", "other"}, AdminUsers: []string{"ops"}, TLSCert: cert, TLSKey: key}
 	// RELOAD applies next (a copy of base unless a subtest changed it), as SIGHUP would apply
 	// the configuration read again.
 	var mu sync.Mutex
@@ -147,6 +149,13 @@ func TestAdminConsole(t *testing.T) {
 			if err != nil || got.String() != tag {
 				t.Errorf("%s: %q %v, want %s", cmd, got, err, tag)
 			}
+		}
+	})
+
+	t.Run("tls", func(t *testing.T) {
+		conn := connect(t, p.URLWithPassword("ops", "ops-secret", "fenceproxy", "sslmode=require"))
+		if _, err := conn.Exec(ctxT(t), "SHOW VERSION"); err != nil {
+			t.Errorf("the console over TLS: %v", err)
 		}
 	})
 

@@ -228,12 +228,12 @@ func (sess *session) start(ctx context.Context, clients int64) error {
 		sess.server.SetDeadline(time.Time{}) //nolint:errcheck
 		return nil
 	}
-	// The upstream connection's own deadline is the login deadline too (login
-	// sets it): its read may fail before the AfterFunc runs, and before the
-	// context itself says it is done.
 	if errors.Is(err, errPaused) {
 		return err // it says why it waited, and what ends the pause
 	}
+	// The upstream connection's own deadline is the login deadline too (login
+	// sets it): its read may fail before the AfterFunc runs, and before the
+	// context itself says it is done.
 	dl, _ := loginCtx.Deadline()
 	if timedOut || !time.Now().Before(dl) {
 		if sess.mode == modeFenced && sess.pid != 0 {
@@ -334,7 +334,7 @@ func (sess *session) login(ctx context.Context, clients int64) error {
 	}
 	sess.user, _ = st.Param("user")
 	if db, _ := st.Param("database"); cmp.Or(db, sess.user) == s.conf().adminDatabase { // PostgreSQL's default: the user's name
-		// Not counted against --max-clients: an operator must get in when the proxy is full.
+		// Not refused by --max-clients: an operator must get in when the proxy is full.
 		if s.draining.Load() {
 			return fatalf(wire.CodeCannotConnectNow, "fenceproxy is shutting down")
 		}
