@@ -365,4 +365,36 @@ func TestAdminConsole(t *testing.T) {
 			t.Errorf("the closed console: %v", err)
 		}
 	})
+	t.Run("shutdown", func(t *testing.T) {
+		// An idle console and a session waiting for RESUME do not hold the shutdown: the
+		// console is closed, the session refused.
+		setNext(func(c *proxy.Config) { c.AdminUsers = []string{"ops"}; c.LoginTimeout = time.Minute })
+		if _, _, err := reload(); err != nil { // the console was closed: as SIGHUP would
+			t.Fatal(err)
+		}
+		admin := connect(t, p.URLWithPassword("ops", "ops-secret", "fenceproxy_admin", "default_query_exec_mode=simple_protocol"))
+		ctx := ctxT(t)
+		if _, err := admin.Exec(ctx, "PAUSE"); err != nil {
+			t.Fatal(err)
+		}
+		waited := make(chan error, 1)
+		go func() { waited <- connectErr(p.FenceURL("app", "postgres", "billing", 5) + "&password=app") }()
+		waitFor(t, "a session waiting", func() (bool, string) {
+			st := p.Server.Status(ctx)
+			return st.Waiting == 1, fmt.Sprint(st.Waiting)
+		})
+		start := time.Now()
+		p.Stop(t)
+		if d := time.Since(start); d > 20*time.Second {
+			t.Errorf("the shutdown took %s", d)
+		}
+		err := <-waited
+		wantCode(t, err, "57P03")
+		if !strings.Contains(err.Error(), "shutting down") {
+			t.Errorf("the waiting session at shutdown: %v", err)
+		}
+		if _, err := admin.Exec(ctx, "SHOW VERSION"); err == nil {
+			t.Error("the console still answers after the shutdown")
+		}
+	})
 }
