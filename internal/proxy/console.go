@@ -66,7 +66,7 @@ func (sess *session) consoleLogin(ctx context.Context, br *bufio.Reader, st *wir
 }
 
 // serveConsole answers an admin console connection's commands until it ends.
-func (s *Server) serveConsole(ctx context.Context, sess *session) {
+func (s *Server) serveConsole(sess *session) {
 	s.mu.Lock()
 	if s.draining.Load() {
 		s.mu.Unlock()
@@ -81,7 +81,7 @@ func (s *Server) serveConsole(ctx context.Context, sess *session) {
 	}()
 	sess.log.Info("admin console session", zap.String("user", sess.user))
 	c := &console{s: s, sess: sess}
-	if err := c.serve(ctx); err != nil {
+	if err := c.serve(); err != nil {
 		sess.log.Debug("admin console session ended", zap.Error(err))
 	}
 }
@@ -97,7 +97,7 @@ type console struct {
 
 var errConsoleProtocol = errors.New("admin console: protocol violation")
 
-func (c *console) serve(ctx context.Context) error {
+func (c *console) serve() error {
 	cr, cw := c.sess.cr, c.sess.cw
 	for {
 		typ, n, err := cr.Next()
@@ -117,7 +117,7 @@ func (c *console) serve(ctx context.Context) error {
 			// A string of our own: body is the reader's buffer, which the next read reuses.
 			query := strings.TrimRight(string(body), "\x00")
 			if !c.skip {
-				c.query(ctx, query)
+				c.query(query)
 				c.ready()
 			}
 		case 'X':
@@ -170,20 +170,25 @@ func (c *console) send(m pgproto3.BackendMessage) {
 func (c *console) ready() { c.send(&pgproto3.ReadyForQuery{TxStatus: 'I'}) }
 
 func (c *console) errorf(code, format string, args ...any) {
-	c.buf = wire.AppendError(c.buf, &pgproto3.ErrorResponse{Severity: "ERROR", Code: code, Message: fmt.Sprintf(format, args...)})
+	c.buf = wire.AppendError(c.buf, &pgproto3.ErrorResponse{Severity: wire.SeverityError, Code: code, Message: fmt.Sprintf(format, args...)})
 }
 
 func (c *console) fatal(code, message string) {
 	c.buf = wire.AppendError(c.buf, &pgproto3.ErrorResponse{Severity: wire.SeverityFatal, Code: code, Message: message})
 }
 
+// notice sends a NOTICE (successful_completion) or a WARNING (warning).
 func (c *console) notice(severity, message string) {
-	c.send(&pgproto3.NoticeResponse{Severity: severity, SeverityUnlocalized: severity, Code: "00000", Message: message})
+	code := "00000"
+	if severity == "WARNING" {
+		code = "01000"
+	}
+	c.send(&pgproto3.NoticeResponse{Severity: severity, SeverityUnlocalized: severity, Code: code, Message: message})
 }
 
 // query runs the statements of a simple Query, separated by semicolons, up to the first error.
 // Comments (-- to the end of the line) are dropped: pgx's Ping sends "-- ping".
-func (c *console) query(ctx context.Context, query string) {
+func (c *console) query(query string) {
 	lines := strings.Split(query, "\n")
 	for i, l := range lines {
 		lines[i], _, _ = strings.Cut(l, "--")
@@ -196,7 +201,7 @@ func (c *console) query(ctx context.Context, query string) {
 			continue
 		}
 		ran = true
-		if !c.command(ctx, words) {
+		if !c.command(words) {
 			return
 		}
 	}
@@ -219,14 +224,17 @@ var consoleCommands = [][2]string{
 	{"RESUME [resource]", "end a PAUSE: the waiting sessions connect"},
 }
 
+// showLists are what SHOW takes, for its errors.
+const showLists = "FENCES, BINDINGS, CLIENTS, REFUSALS, STATS, VERSION or HELP"
+
 // command runs one statement; false when it failed (an ErrorResponse was sent).
-func (c *console) command(ctx context.Context, words []string) bool {
+func (c *console) command(words []string) bool {
 	verb := strings.ToUpper(words[0])
 	args := words[1:]
 	switch verb {
 	case "SHOW":
 		if len(args) != 1 {
-			c.errorf(wire.CodeSyntaxError, "SHOW takes one of FENCES, BINDINGS, CLIENTS, REFUSALS, STATS, VERSION, HELP")
+			c.errorf(wire.CodeSyntaxError, "SHOW takes one of "+showLists)
 			return false
 		}
 		return c.show(strings.ToUpper(args[0]))
@@ -391,7 +399,7 @@ func (c *console) show(what string) bool {
 		}
 		c.result("SHOW", []column{{name: "metric"}, {name: "labels"}, {name: "value", oid: oidFloat8}}, rows)
 	default:
-		c.errorf(wire.CodeSyntaxError, "SHOW %s: not a fenceproxy admin console list; SHOW takes FENCES, BINDINGS, CLIENTS, REFUSALS, STATS, VERSION or HELP", what)
+		c.errorf(wire.CodeSyntaxError, "SHOW %s: not a fenceproxy admin console list; SHOW takes %s", what, showLists)
 		return false
 	}
 	return true

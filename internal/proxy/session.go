@@ -176,7 +176,7 @@ func (s *Server) handle(ctx context.Context, conn net.Conn) {
 	}
 	s.metrics.sessionOutcome("ok")
 	if sess.console {
-		s.serveConsole(ctx, sess)
+		s.serveConsole(sess)
 		return
 	}
 	s.metrics.sessions(1)
