@@ -42,6 +42,38 @@ func (s *syncBuffer) String() string {
 	return s.b.String()
 }
 
+// configFile returns a JSON configuration file's path (not written yet) and what writes it.
+func configFile(t *testing.T) (string, func(conf map[string]any)) {
+	path := filepath.Join(t.TempDir(), "fenceproxy.json")
+	return path, func(conf map[string]any) {
+		b, _ := json.Marshal(conf)
+		if err := os.WriteFile(path, b, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// startServe starts fenceproxy serve with args, its stderr in logs; stop stops it (SIGTERM,
+// then a kill after a minute): defer it before ctx is cancelled, which would kill it.
+func startServe(ctx context.Context, t *testing.T, bin string, args ...string) (cmd *exec.Cmd, logs *syncBuffer, stop func()) {
+	cmd = exec.CommandContext(ctx, bin, append([]string{"serve"}, args...)...)
+	logs = &syncBuffer{}
+	cmd.Stderr = logs
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	return cmd, logs, func() {
+		cmd.Process.Signal(syscall.SIGTERM) //nolint:errcheck
+		select {
+		case <-exited:
+		case <-time.After(time.Minute):
+			cmd.Process.Kill() //nolint:errcheck
+		}
+	}
+}
+
 // httpGet returns the status and body of GET url (0 when it cannot connect).
 func httpGet(t *testing.T, url string) (int, string) {
 	t.Helper()
@@ -87,32 +119,12 @@ func TestServeAdminAndReload(t *testing.T) {
 		t.Fatalf("migrate: %v\n%s", err, out)
 	}
 	addr, admin := freeAddr(t), freeAddr(t)
-	cfgFile := filepath.Join(t.TempDir(), "fenceproxy.json")
-	writeConf := func(conf map[string]any) {
-		b, _ := json.Marshal(conf)
-		if err := os.WriteFile(cfgFile, b, 0o600); err != nil {
-			t.Fatal(err)
-		}
-	}
+	cfgFile, writeConf := configFile(t)
 	conf := map[string]any{"resource": []string{"billing"}, "key-file": keyFile, "max-clients": 50,
 		"control-database": pg.AdminURL(), "upstream": "postgres://" + net.JoinHostPort(pg.Host, strconv.Itoa(pg.Port))}
 	writeConf(conf)
-	cmd := exec.CommandContext(ctx, bin, "serve", "--config", cfgFile, "--listen", addr, "--admin-listen", admin)
-	logs := &syncBuffer{}
-	cmd.Stderr = logs
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	exited := make(chan error, 1)
-	go func() { exited <- cmd.Wait() }()
-	defer func() {
-		cmd.Process.Signal(syscall.SIGTERM) //nolint:errcheck
-		select {
-		case <-exited:
-		case <-time.After(time.Minute):
-			cmd.Process.Kill() //nolint:errcheck
-		}
-	}()
+	cmd, logs, stop := startServe(ctx, t, bin, "--config", cfgFile, "--listen", addr, "--admin-listen", admin)
+	defer stop()
 	base := "http://" + admin
 	get := func(path string) (int, string) { return httpGet(t, base+path) }
 	eventually(t, "healthz", func() (bool, string) { c, b := get("/healthz"); return c == 200, b })

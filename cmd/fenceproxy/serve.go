@@ -70,7 +70,10 @@ func (s *ServeCmd) Run(ctx context.Context, log *zap.Logger, level zap.AtomicLev
 	if err != nil {
 		return err
 	}
-	opts := proxy.Options{Logger: log, Metrics: metrics, Registry: registry, Registerer: reg}
+	var srv *proxy.Server
+	opts := proxy.Options{Logger: log, Metrics: metrics, Registry: registry, Registerer: reg, Version: buildVersion(),
+		// The admin console's RELOAD: what SIGHUP does (srv is set before any session starts).
+		Reload: func() ([]string, []string, error) { return reload(srv, log, level, again, "admin console RELOAD") }}
 	var admitters proxy.Admitters
 	if guard != nil {
 		admitters = append(admitters, guard)
@@ -93,7 +96,7 @@ func (s *ServeCmd) Run(ctx context.Context, log *zap.Logger, level zap.AtomicLev
 			return err
 		}
 	}
-	srv, err := proxy.New(s.Config, opts)
+	srv, err = proxy.New(s.Config, opts)
 	if err != nil {
 		return err
 	}
@@ -155,7 +158,7 @@ func (s *ServeCmd) Run(ctx context.Context, log *zap.Logger, level zap.AtomicLev
 			case <-bg.Done():
 				return
 			case <-hup:
-				reload(srv, log, level, again)
+				reload(srv, log, level, again, "SIGHUP") //nolint:errcheck // logged
 			}
 		}
 	}()
@@ -164,24 +167,25 @@ func (s *ServeCmd) Run(ctx context.Context, log *zap.Logger, level zap.AtomicLev
 	return err
 }
 
-// reload applies the configuration read again; an invalid one changes nothing.
-func reload(srv *proxy.Server, log *zap.Logger, level zap.AtomicLevel, again reloadSource) {
+// reload applies the configuration read again; an invalid one changes nothing. by says what
+// asked (SIGHUP, the admin console's RELOAD) in the logs. It returns what it applied and what
+// needs a restart.
+func reload(srv *proxy.Server, log *zap.Logger, level zap.AtomicLevel, again reloadSource, by string) (applied, skipped []string, err error) {
 	c, err := again()
-	if err != nil {
-		log.Error("reload (SIGHUP) failed: nothing changed", zap.Error(err))
-		return
+	if err == nil {
+		applied, skipped, err = srv.Reload(c.Serve.Config)
 	}
-	applied, skipped, err := srv.Reload(c.Serve.Config)
 	if err != nil {
-		log.Error("reload (SIGHUP) failed: nothing changed", zap.Error(err))
-		return
+		log.Error("reload ("+by+") failed: nothing changed", zap.Error(err))
+		return nil, nil, err
 	}
 	if lvl, err := zap.ParseAtomicLevel(c.LogLevel); err == nil && lvl.Level() != level.Level() {
 		applied = append(applied, fmt.Sprintf("log-level %s (was %s)", lvl.Level(), level.Level()))
 		level.SetLevel(lvl.Level())
 	}
-	log.Info("reloaded (SIGHUP)", zap.Strings("applied", applied))
+	log.Info("reloaded ("+by+")", zap.Strings("applied", applied))
 	if len(skipped) > 0 {
-		log.Warn("reload (SIGHUP) could not apply these changes; restart to apply them", zap.Strings("not_applied", skipped))
+		log.Warn("reload ("+by+") could not apply these changes; restart to apply them", zap.Strings("not_applied", skipped))
 	}
+	return applied, skipped, nil
 }

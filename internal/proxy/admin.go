@@ -17,9 +17,13 @@ import (
 
 // Status is what /status says of the proxy.
 type Status struct {
-	Ready     bool             `json:"ready"`
-	NotReady  []string         `json:"not_ready,omitempty"` // why not
-	Sessions  int              `json:"sessions"`            // client sessions open
+	Ready    bool     `json:"ready"`
+	NotReady []string `json:"not_ready,omitempty"` // why not
+	Sessions int      `json:"sessions"`            // client sessions open
+	// Paused: new sessions wait (PAUSE on the admin console without a resource); Waiting
+	// counts the sessions waiting, for this or a resource's pause.
+	Paused    bool             `json:"paused,omitempty"`
+	Waiting   int              `json:"waiting"`
 	Resources []ResourceStatus `json:"resources"`
 	Refusals  []Refusal        `json:"refusals"` // the most recent last
 }
@@ -50,6 +54,10 @@ type ResourceStatus struct {
 	// Removed: the proxy no longer serves the resource (a reload removed it) and lists it
 	// only while sessions of it remain open.
 	Removed bool `json:"removed,omitempty"`
+	// Paused: new sessions of the resource wait (PAUSE on the admin console, of the resource
+	// or of the whole proxy); Waiting counts them.
+	Paused  bool `json:"paused,omitempty"`
+	Waiting int  `json:"waiting,omitempty"`
 }
 
 // readyTimeout bounds each readiness check.
@@ -88,8 +96,18 @@ func (s *Server) NotReady(ctx context.Context) []string {
 
 // Status returns the proxy's status (NotReady included).
 func (s *Server) Status(ctx context.Context) Status {
-	st := Status{NotReady: s.NotReady(ctx), Refusals: s.lead.recentRefusals(), Resources: []ResourceStatus{}}
+	st := s.status()
+	st.NotReady = s.NotReady(ctx)
 	st.Ready = len(st.NotReady) == 0
+	return st
+}
+
+// status is Status without the readiness checks (which dial the server): what the admin
+// console shows.
+func (s *Server) status() Status {
+	st := Status{Refusals: s.lead.recentRefusals(), Resources: []ResourceStatus{}}
+	pause := s.pause.snapshot()
+	st.Paused, st.Waiting = pause.all, pause.waitingTotal()
 	s.mu.Lock()
 	st.Sessions = len(s.sessions)
 	s.mu.Unlock()
@@ -99,6 +117,7 @@ func (s *Server) Status(ctx context.Context) Status {
 		r := ResourceStatus{Resource: l.Resource, Store: s.storeOf(l.Resource), Token: l.Token, Holder: l.Holder, HolderName: l.HolderName, Changes: l.Changes,
 			Flapping: s.lead.isFlapping(l.Resource, now), Sessions: map[string]int{}, Removed: !slices.Contains(names, l.Resource)}
 		r.Bare = r.Store == AuthorityBare
+		r.Paused, r.Waiting = pause.all || pause.resources[l.Resource], pause.waiting[l.Resource]
 		if !l.Since.IsZero() {
 			r.AdmittedAt = &l.Since
 		}

@@ -32,6 +32,10 @@ const (
 // Debian's second PostgreSQL cluster on 5433. Keep the Listen field's default tag the same.
 const DefaultListen = "127.0.0.1:7432"
 
+// DefaultAdminDatabase is the database name of the admin console when none is configured, as
+// PgBouncer's is pgbouncer. Keep the AdminDatabase field's default tag the same.
+const DefaultAdminDatabase = "fenceproxy"
+
 // DefaultConsulAnswerTimeout is how long a session start waits for Consul by default: a hung
 // Consul then refuses the session in 2 s with its cause, not after the 15 s login timeout
 // with "login timeout".
@@ -118,6 +122,17 @@ type Config struct {
 	// AdminAllowedHosts are the names, besides loopback addresses and localhost, that a
 	// request's Host may be on an admin listener on loopback (AdminHosts).
 	AdminAllowedHosts []string `help:"Host names (comma-separated) besides loopback addresses and localhost that requests to a loopback admin listener may name in their Host header (others get 421: DNS rebinding)." name:"admin-allowed-hosts" sep:","`
+	// AdminUsers may use the admin console (AdminDatabase on the client port), as PgBouncer's
+	// admin_users: each logs in with its PostgreSQL password, which the proxy has the server
+	// check (against AdminAuthDatabase). Empty: the console refuses everyone.
+	AdminUsers []string `help:"Users (comma-separated) who may use the admin console on the client port (psql -d fenceproxy -c 'SHOW FENCES'), as PgBouncer's admin_users; the server checks their password (see --admin-auth-database). Empty: the console refuses everyone." name:"admin-users" sep:","`
+	// AdminDatabase is the database name that reaches the admin console instead of the server
+	// (0: DefaultAdminDatabase): a server database of that name is not reachable through the
+	// proxy, so rename the console when one exists.
+	AdminDatabase string `help:"Database name of the admin console on the client port: a client that names it talks to fenceproxy, not to the server, so a server database of that name is reachable through the proxy only once the console is renamed." name:"admin-database" default:"fenceproxy"`
+	// AdminAuthDatabase is the server database an --admin-users login is authenticated
+	// against (the proxy relays the password exchange there, then closes that connection).
+	AdminAuthDatabase string `help:"Server database the admin console authenticates --admin-users against (the password exchange is relayed there, as for every session, then that connection is closed): pg_hba.conf must let the users connect to it." name:"admin-auth-database" default:"postgres"`
 	// DebugPprof also serves Go's profiler on MetricsListen (/debug/pprof/).
 	DebugPprof bool `help:"Also serve Go's profiler at /debug/pprof/ on --metrics-listen (for performance work)."`
 	// FlapChanges and FlapWindow define flapping: more than FlapChanges leader changes of a
@@ -232,6 +247,15 @@ func (c Config) validate() (*settings, error) {
 	}
 	if s.FlapWindow <= 0 {
 		s.FlapWindow = 10 * time.Minute
+	}
+	if s.AdminDatabase == "" {
+		s.AdminDatabase = DefaultAdminDatabase
+	}
+	if s.AdminAuthDatabase == "" {
+		s.AdminAuthDatabase = "postgres"
+	}
+	if s.AdminDatabase == s.AdminAuthDatabase {
+		return nil, fmt.Errorf("admin-database %q is also --admin-auth-database: the console would hide the database its users authenticate against; rename one", s.AdminDatabase)
 	}
 	switch s.Relay {
 	case "":

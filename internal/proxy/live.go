@@ -17,11 +17,16 @@ type live struct {
 	shutdownGrace time.Duration
 	flapChanges   int
 	flapWindow    time.Duration
+	// the admin console: who may use it, its database name, where its users authenticate
+	adminUsers        []string
+	adminDatabase     string
+	adminAuthDatabase string
 }
 
 func newLive(s *settings) *live {
 	return &live{resources: s.resources, names: s.names, maxClients: s.MaxClients, loginTimeout: s.LoginTimeout,
-		unfenced: s.Unfenced, shutdownGrace: s.ShutdownGrace, flapChanges: s.FlapChanges, flapWindow: s.FlapWindow}
+		unfenced: s.Unfenced, shutdownGrace: s.ShutdownGrace, flapChanges: s.FlapChanges, flapWindow: s.FlapWindow,
+		adminUsers: s.AdminUsers, adminDatabase: s.AdminDatabase, adminAuthDatabase: s.AdminAuthDatabase}
 }
 
 // conf returns the configuration new sessions start with.
@@ -31,7 +36,7 @@ func (s *Server) conf() *live { return s.live.Load() }
 // from the same sources as at startup: the resources (except those validated against
 // Consul, whose watches start with the proxy: adding, removing or changing a Consul key
 // needs a restart and keeps the resource as it was until then), max-clients, login-timeout, unfenced,
-// shutdown-grace and the flapping thresholds. Open sessions go on as they are, and a
+// shutdown-grace, the flapping thresholds and the admin console's settings. Open sessions go on as they are, and a
 // session of a resource the reload removes keeps its binding (the database still fences
 // it). It returns what it changed and what it could not apply (needing a restart); an
 // invalid cfg changes nothing.
@@ -116,6 +121,11 @@ func (s *Server) Reload(cfg Config) (applied, skipped []string, err error) {
 	change("shutdown-grace", cur.shutdownGrace, next.shutdownGrace)
 	change("flap-changes", cur.flapChanges, next.flapChanges)
 	change("flap-window", cur.flapWindow, next.flapWindow)
+	if !slices.Equal(cur.adminUsers, next.adminUsers) {
+		applied = append(applied, fmt.Sprintf("admin-users %v (were %v)", next.adminUsers, cur.adminUsers))
+	}
+	change("admin-database", cur.adminDatabase, next.adminDatabase)
+	change("admin-auth-database", cur.adminAuthDatabase, next.adminAuthDatabase)
 	s.live.Store(next)
 	return applied, skipped, nil
 }

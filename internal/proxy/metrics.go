@@ -50,9 +50,14 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "fenceproxy_upstream_changes_total", Help: "New primaries (server: another system identifier) or timelines (timeline: a promotion) seen behind --upstream by the control connection."}, []string{"kind"}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.Sessions, m.SessionsTotal, m.Rejections, m.BindSeconds, m.HandBacks, m.StandbyWaitSeconds, m.UpstreamChanges)
+		reg.MustRegister(m.collectors()...)
 	}
 	return m
+}
+
+// collectors are the metrics, for a registry: /metrics's and the admin console's SHOW STATS.
+func (m *Metrics) collectors() []prometheus.Collector {
+	return []prometheus.Collector{m.Sessions, m.SessionsTotal, m.Rejections, m.BindSeconds, m.HandBacks, m.StandbyWaitSeconds, m.UpstreamChanges}
 }
 
 func (m *Metrics) sessionOutcome(o string) {

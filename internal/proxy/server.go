@@ -56,6 +56,13 @@ type Options struct {
 	// Registerer receives the leadership metrics, read from the registry when scraped
 	// (nil: none).
 	Registerer prometheus.Registerer
+	// Version is what the admin console's SHOW VERSION says ("": unknown).
+	Version string
+	// Reload is what the admin console's RELOAD runs: what SIGHUP does (fenceproxy serve reads
+	// its configuration again and calls Server.Reload). It returns what was applied and what
+	// needs a restart. Nil: RELOAD is refused (a program embedding the proxy has no
+	// configuration to read again).
+	Reload func() (applied, skipped []string, err error)
 }
 
 // Server is a running proxy.
@@ -79,11 +86,15 @@ type Server struct {
 	// listenSynced is true while the control database's listener is synced (readyz).
 	listenSynced atomic.Bool
 	lead         *leadership
+	version      string
+	reload       func() (applied, skipped []string, err error)
+	pause        pauseState
 
 	clients    atomic.Int64
 	sessionIDs atomic.Uint64 // for log correlation
 	mu         sync.Mutex
 	sessions   map[*session]struct{}
+	consoles   map[*session]struct{} // admin console connections, closed at shutdown
 	draining   atomic.Bool
 	wg         sync.WaitGroup
 }
@@ -101,8 +112,12 @@ func New(cfg Config, opts Options) (*Server, error) {
 		reg:      opts.Registry,
 		admit:    opts.Admitter,
 		sessions: map[*session]struct{}{},
+		consoles: map[*session]struct{}{},
 		ready:    make(chan struct{}),
+		version:  opts.Version,
+		reload:   opts.Reload,
 	}
+	srv.pause.init()
 	srv.live.Store(newLive(s))
 	if srv.log == nil {
 		srv.log = zap.NewNop()
@@ -170,6 +185,7 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 			})
 		}()
 		defer func() { stopListening(); <-listening }()
+		go s.warnShadowed(listenCtx)
 	} else {
 		s.markReady()
 	}
@@ -201,14 +217,35 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	return acceptErr
 }
 
+// warnShadowed warns when the server has a database of the admin console's name: clients of
+// the proxy cannot reach it (they reach the console), which must not go unnoticed.
+func (s *Server) warnShadowed(ctx context.Context) {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	name := s.conf().adminDatabase
+	var exists bool
+	if err := s.control.QueryRow(ctx, "SELECT EXISTS (SELECT FROM pg_database WHERE datname = $1)", name).Scan(&exists); err != nil {
+		s.log.Debug("could not check for a database of the admin console's name", zap.Error(err))
+		return
+	}
+	if exists {
+		s.log.Warn("the server has a database of the admin console's name: clients of the proxy reach the console, not that database; rename the console with --admin-database",
+			zap.String("database", name))
+	}
+}
+
 func (s *Server) drain(cancel context.CancelFunc) {
 	s.draining.Store(true)
 	s.mu.Lock()
 	for sess := range s.sessions {
 		sess.shutdownWhenIdle()
 	}
+	for c := range s.consoles {
+		c.client.Close() // between commands or in one: the console holds nothing
+	}
 	n := len(s.sessions)
 	s.mu.Unlock()
+	s.pause.release() // sessions waiting for RESUME are refused now (login's draining check)
 	grace := s.conf().shutdownGrace
 	s.log.Info("shutting down", zap.Int("sessions", n), zap.Duration("grace", grace))
 	done := make(chan struct{})

@@ -53,6 +53,11 @@ type session struct {
 
 	clientTLS bool // the client connection is TLS
 
+	id      uint64    // the session's number in the logs and SHOW CLIENTS
+	since   time.Time // when the client connected
+	user    string    // the startup message's user
+	console bool      // an admin console connection (console.go), not relayed
+
 	cred          fence.Credentials
 	mode          sessionMode
 	database      string // the database the session connects to (the registry's key, the proof's)
@@ -126,7 +131,8 @@ func fatalFence(fe *fence.Error) *fatal {
 
 func (s *Server) handle(ctx context.Context, conn net.Conn) {
 	sess := &session{srv: s, client: conn, status: 'I', done: make(chan struct{}), staleCh: make(chan struct{}), endedCh: make(chan struct{})}
-	sess.log = s.log.With(zap.Uint64("session", s.sessionIDs.Add(1)))
+	sess.id, sess.since = s.sessionIDs.Add(1), time.Now()
+	sess.log = s.log.With(zap.Uint64("session", sess.id))
 	if tc, ok := conn.(*net.TCPConn); ok {
 		tc.SetNoDelay(true) //nolint:errcheck // best effort
 	}
@@ -169,6 +175,10 @@ func (s *Server) handle(ctx context.Context, conn net.Conn) {
 		return
 	}
 	s.metrics.sessionOutcome("ok")
+	if sess.console {
+		s.serveConsole(sess)
+		return
+	}
 	s.metrics.sessions(1)
 	defer s.metrics.sessions(-1)
 	s.track(sess, true)
@@ -217,6 +227,9 @@ func (sess *session) start(ctx context.Context, clients int64) error {
 		sess.client.SetDeadline(time.Time{}) //nolint:errcheck
 		sess.server.SetDeadline(time.Time{}) //nolint:errcheck
 		return nil
+	}
+	if errors.Is(err, errPaused) {
+		return err // it says why it waited, and what ends the pause
 	}
 	// The upstream connection's own deadline is the login deadline too (login
 	// sets it): its read may fail before the AfterFunc runs, and before the
@@ -319,6 +332,14 @@ func (sess *session) login(ctx context.Context, clients int64) error {
 			st = p
 		}
 	}
+	sess.user, _ = st.Param("user")
+	if db, _ := st.Param("database"); cmp.Or(db, sess.user) == s.conf().adminDatabase { // PostgreSQL's default: the user's name
+		// Not refused by --max-clients: an operator must get in when the proxy is full.
+		if s.draining.Load() {
+			return fatalf(wire.CodeCannotConnectNow, "fenceproxy is shutting down")
+		}
+		return sess.consoleLogin(ctx, br, st)
+	}
 	if maxClients := s.conf().maxClients; clients > int64(maxClients) {
 		return fatalf(wire.CodeTooManyConnections, "sorry, too many clients already (fenceproxy max-clients %d)", maxClients)
 	}
@@ -328,7 +349,19 @@ func (sess *session) login(ctx context.Context, clients int64) error {
 	if err := sess.classify(st); err != nil {
 		return err
 	}
+	if err := sess.waitResumed(ctx); err != nil {
+		return err
+	}
+	if s.draining.Load() {
+		return fatalf(wire.CodeCannotConnectNow, "fenceproxy is shutting down")
+	}
+	return sess.authenticate(ctx, br, st)
+}
 
+// authenticate connects to the server, sends it st and relays the authentication exchange
+// (relayAuth: a fenced session is bound before its ReadyForQuery). br is the client's reader.
+func (sess *session) authenticate(ctx context.Context, br *bufio.Reader, st *wire.Startup) error {
+	s := sess.srv
 	up, err := s.dialUpstream(ctx)
 	if err != nil {
 		return fatalf(wire.CodeConnectionFailure, "fenceproxy could not connect to the server: %v", err)

@@ -22,6 +22,12 @@ const (
 	CodeAdminShutdown        = "57P01"
 	CodeInvalidAuthorization = "28000"
 	CodeFeatureNotSupported  = "0A000"
+	// The admin console's (internal/proxy/console.go).
+	CodeSyntaxError                  = "42601"
+	CodeUndefinedObject              = "42704"
+	CodeObjectNotInPrerequisiteState = "55000"
+	CodeConfigFileError              = "F0000"
+	CodeInternalError                = "XX000"
 )
 
 // AppendError appends an ErrorResponse message to dst.
