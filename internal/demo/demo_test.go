@@ -67,6 +67,7 @@ type demoRun struct {
 // or rejected nothing).
 func runDemo(t *testing.T, customers int, env ...string) *demoRun {
 	t.Helper()
+	testenv.NeedServers(t) // cmd/demo starts PostgreSQL, Consul and the proxy itself
 	root := repoRoot(t)
 	bins := t.TempDir()
 	demo := testenv.BuildGo(t, bins, "./cmd/demo")[0]

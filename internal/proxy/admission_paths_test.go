@@ -44,6 +44,7 @@ var shared struct {
 // sharedServers starts the servers at the first call of the test binary.
 func sharedServers(t *testing.T) *servers {
 	t.Helper()
+	testenv.NeedServers(t)
 	shared.once.Do(func() { shared.s, shared.err = launchServers() })
 	if shared.err != nil {
 		t.Fatalf("shared servers: %v", shared.err)

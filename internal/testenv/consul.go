@@ -111,7 +111,7 @@ func consulCachePath() (string, error) {
 // 10 s) so that tests of TTL expiry can be short; tests that measure production timings
 // use 10 s like everyone else.
 func StartConsul(tb testing.TB) *Consul {
-	needServers(tb)
+	NeedServers(tb)
 	tb.Helper()
 	return startConsul(tb, false)
 }
@@ -120,7 +120,7 @@ func StartConsul(tb testing.TB) *Consul {
 // deny, and a bootstrap (initial management) token in ManagementToken. Anonymous requests
 // and tokens without a policy get 403.
 func StartConsulACL(tb testing.TB) *Consul {
-	needServers(tb)
+	NeedServers(tb)
 	tb.Helper()
 	return startConsul(tb, true)
 }

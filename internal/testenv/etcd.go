@@ -45,7 +45,7 @@ type Etcd struct {
 // StartEtcd starts a single-member etcd server on private ports (LaunchEtcd) and registers
 // tb.Cleanup to stop it and remove its folder (kept when the test failed).
 func StartEtcd(tb testing.TB) *Etcd {
-	needServers(tb)
+	NeedServers(tb)
 	tb.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), etcdStartTimeout)
 	defer cancel()

@@ -32,7 +32,7 @@ type PgBouncerOptions struct {
 
 // StartPgBouncer is LaunchPgBouncer for tests: tb.Cleanup closes it.
 func StartPgBouncer(tb testing.TB, pg *Postgres, db string, o PgBouncerOptions) *PgBouncer {
-	needServers(tb)
+	NeedServers(tb)
 	tb.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), listenTimeout)
 	defer cancel()

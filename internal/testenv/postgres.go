@@ -115,7 +115,7 @@ func WithConf(key, value string) PGOption {
 // failure is fatal for the test (never a skip). Safe to call from parallel tests
 // and parallel test processes. It is LaunchPostgres for tests.
 func StartPostgres(tb testing.TB, opts ...PGOption) *Postgres {
-	needServers(tb)
+	NeedServers(tb)
 	tb.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), startTimeout)
 	defer cancel()

@@ -91,7 +91,7 @@ type Process struct {
 // StartProcess starts argv as name, its stdout and stderr appended to dir/name.log.
 // tb.Cleanup kills what is left of its group.
 func StartProcess(tb testing.TB, dir, name string, argv, env []string) *Process {
-	needServers(tb)
+	NeedServers(tb)
 	tb.Helper()
 	p, err := LaunchProcess(dir, name, argv, env)
 	if err != nil {
@@ -299,7 +299,7 @@ type ProxyProcess struct {
 // the given flags (--upstream, --resource, --key-file, ...), and waits until it accepts
 // connections.
 func StartProxyProcess(tb testing.TB, dir, name, bin string, flags ...string) *ProxyProcess {
-	needServers(tb)
+	NeedServers(tb)
 	tb.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), listenTimeout)
 	defer cancel()

@@ -71,7 +71,7 @@ type ProxyOptions struct {
 // pg, with cfg (Upstream and Listen are filled in when empty). It stops
 // when the test ends.
 func StartProxy(tb testing.TB, pg *Postgres, cfg proxy.Config, opts ...ProxyOptions) *Proxy {
-	needServers(tb)
+	NeedServers(tb)
 	tb.Helper()
 	var o ProxyOptions
 	if len(opts) > 0 {

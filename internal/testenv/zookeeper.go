@@ -58,7 +58,7 @@ type ZooKeeper struct {
 // StartZooKeeper starts a standalone server on a private port, waits until it serves
 // requests, and registers tb.Cleanup to stop it and remove its folder.
 func StartZooKeeper(tb testing.TB) *ZooKeeper {
-	needServers(tb)
+	NeedServers(tb)
 	tb.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), zkStartTimeout)
 	defer cancel()
