@@ -75,28 +75,34 @@ func startConsulProxy(t *testing.T, mod ...func(*proxy.Config)) *consulSetup {
 	for _, m := range mod {
 		m(&cfg)
 	}
+	s.proxy, s.guard, s.cancel = startConsulGuarded(t, s.pg, cfg)
+	return s
+}
+
+// startConsulGuarded starts a proxy in front of pg with a Consul Guard for cfg and waits
+// until it is ready; cancel stops the guard (also at the test's end).
+func startConsulGuarded(t *testing.T, pg *testenv.Postgres, cfg proxy.Config) (*testenv.Proxy, *proxy.Guard, context.CancelFunc) {
+	t.Helper()
 	reg := fence.NewRegistry()
 	ctx, cancel := context.WithCancel(context.Background())
-	s.cancel = cancel
 	t.Cleanup(cancel)
 	g, err := proxy.NewGuard(ctx, cfg, proxy.GuardOptions{Registry: reg, Logger: zapNop()})
 	if err != nil {
 		t.Fatal(err)
 	}
-	s.guard = g
 	done := make(chan struct{})
 	go func() { g.Run(ctx); close(done) }() //nolint:errcheck
 	t.Cleanup(func() { cancel(); <-done })
-	s.proxy = testenv.StartProxy(t, s.pg, cfg, testenv.ProxyOptions{Admitter: g, Registry: reg})
+	px := testenv.StartProxy(t, pg, cfg, testenv.ProxyOptions{Admitter: g, Registry: reg})
 	// Ready: the watch has synchronised with Consul (until then every token is ZF007, which
 	// a test that connects at once took for a failure under load).
 	eventually(t, "the proxy ready", func() error {
-		if why := s.proxy.Server.NotReady(ctxT(t)); len(why) > 0 {
+		if why := px.Server.NotReady(ctxT(t)); len(why) > 0 {
 			return fmt.Errorf("not ready: %v", why)
 		}
 		return nil
 	})
-	return s
+	return px, g, cancel
 }
 
 func (s *consulSetup) url(tok int64, params ...string) string {

@@ -125,18 +125,11 @@ func TestFailoverStandbysConfig(t *testing.T) {
 // the new primary's legitimate leader (34) instead of locking it out; 33 stays refused.
 func TestFailoverProxyFollowsNewPrimary(t *testing.T) {
 	pg, sb := replicatedDB(t)
-	vip, err := faulthop.Start("", fmt.Sprintf("%s:%d", pg.Host, pg.Port))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = vip.Close(context.Background()) })
-	vipURL := func(db string) string {
-		return fmt.Sprintf("postgres://%s:%s@%s/%s?sslmode=disable", testenv.AdminUser, testenv.AdminPassword, vip.Addr, db)
-	}
+	vip := startVIP(t, pg)
 	px := testenv.StartProxy(t, pg, proxy.Config{
-		Upstream:        "postgres://" + vip.Addr,
+		Upstream:        "postgres://" + vip.hop.Addr,
 		Resources:       []string{"billing"},
-		ControlDatabase: vipURL("postgres"),
+		ControlDatabase: vip.url("postgres"),
 	})
 
 	connect(t, px.FenceURL("app", "postgres", "billing", 33)).Close(ctxT(t))
@@ -147,11 +140,52 @@ func TestFailoverProxyFollowsNewPrimary(t *testing.T) {
 		t.Fatalf("the proxy knows token %d, want 35", h)
 	}
 
-	pg.Kill(t)
-	sb.Promote(t)
-	vip.Retarget(fmt.Sprintf("%s:%d", sb.Host, sb.Port))
-	vip.Cut()
+	vip.failover(t, sb)
+	waitNewTimeline(t, px)
+	// The control connection counts the change, then reads the new primary's tokens.
+	eventually(t, "the proxy rebased on the new primary's tokens", func() error {
+		if h := px.Registry.Highest("postgres", "billing"); h != 33 {
+			return fmt.Errorf("after the failover the proxy knows token %d, want 33 (the new primary's)", h)
+		}
+		return nil
+	})
+	c := connect(t, px.FenceURL("app", "postgres", "billing", 34))
+	mustExec(t, c, "INSERT INTO items (tag, token) VALUES ('c', 34)")
+	wantStale(t, connectErr(px.FenceURL("app", "postgres", "billing", 33)))
+}
 
+// vip is a virtual IP in front of the primary: a relay that a failover retargets to the
+// promoted standby, as a VIP or DNS switch does.
+type vip struct{ hop *faulthop.Hop }
+
+func startVIP(t *testing.T, pg *testenv.Postgres) *vip {
+	t.Helper()
+	hop, err := faulthop.Start("", fmt.Sprintf("%s:%d", pg.Host, pg.Port))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = hop.Close(context.Background()) })
+	return &vip{hop: hop}
+}
+
+// url is the admin URL of database db through the VIP.
+func (v *vip) url(db string) string {
+	return fmt.Sprintf("postgres://%s:%s@%s/%s?sslmode=disable", testenv.AdminUser, testenv.AdminPassword, v.hop.Addr, db)
+}
+
+// failover kills the primary, promotes sb, and moves the VIP to it (cutting what it carried).
+func (v *vip) failover(t *testing.T, sb *testenv.Standby) {
+	t.Helper()
+	sb.Primary.Kill(t)
+	sb.Promote(t)
+	v.hop.Retarget(fmt.Sprintf("%s:%d", sb.Host, sb.Port))
+	v.hop.Cut()
+}
+
+// waitNewTimeline waits until px's control connection has seen the promoted standby's timeline
+// (it counts it before it reads the new primary's tokens).
+func waitNewTimeline(t *testing.T, px *testenv.Proxy) {
+	t.Helper()
 	deadline := time.Now().Add(30 * time.Second)
 	for testutil.ToFloat64(px.Metrics.UpstreamChanges.WithLabelValues("timeline")) < 1 {
 		if time.Now().After(deadline) {
@@ -159,12 +193,6 @@ func TestFailoverProxyFollowsNewPrimary(t *testing.T) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	if h := px.Registry.Highest("postgres", "billing"); h != 33 {
-		t.Fatalf("after the failover the proxy knows token %d, want 33 (the new primary's)", h)
-	}
-	c := connect(t, px.FenceURL("app", "postgres", "billing", 34))
-	mustExec(t, c, "INSERT INTO items (tag, token) VALUES ('c', 34)")
-	wantStale(t, connectErr(px.FenceURL("app", "postgres", "billing", 33)))
 }
 
 // TestFailoverSyncStandbyRoleSyncCommitOff (issue 21, setup 3): with a synchronous standby
@@ -191,5 +219,82 @@ func TestFailoverSyncStandbyRoleSyncCommitOff(t *testing.T) {
 	sb.Promote(t)
 	if got := storedToken(t, sb.Postgres); got != 33 {
 		t.Fatalf("stored token %d after the failover, want 33", got)
+	}
+}
+
+// TestFailoverLeaseAsyncStandbyIssuesNoGenerationTwice (issue 21, setup 2: asynchronous
+// replication, the PostgreSQL lease, no --failover-standbys): b's acquisition of the next
+// generation commits on the primary and never reaches the standby; b writes; the primary
+// crashes and the standby is promoted. The lease row failed over without b's generation, yet
+// the new primary must not issue that generation again (to c), and b, who still believes it
+// holds it, must be refused there: before c's acquisition (not issued there, ZF002) and after
+// it (stale, ZF001). The generations carry the timeline (schema 11, L11 of docs/proof.md): c's
+// is above every generation of the lost timeline. The old holder a stays refused; c writes.
+func TestFailoverLeaseAsyncStandbyIssuesNoGenerationTwice(t *testing.T) {
+	pg, sb := replicatedDB(t)
+	cfg := proxy.Config{LeaseResources: []string{"billing"}}
+	px := testenv.StartProxy(t, pg, cfg)
+	acquire := func(p *testenv.Postgres, holder string) int64 {
+		t.Helper()
+		conn := connect(t, p.AdminURL())
+		defer conn.Close(ctxT(t))
+		var g int64
+		if err := conn.QueryRow(ctxT(t), "SELECT generation FROM fence.lease_acquire('billing', $1, '60 seconds') WHERE acquired", holder).Scan(&g); err != nil {
+			t.Fatalf("acquire as %s: %v", holder, err)
+		}
+		return g
+	}
+	url := func(p *testenv.Proxy, g int64) string {
+		return p.FenceURL("app", "postgres", "billing", g, "password=app")
+	}
+
+	// a leads and writes; it releases the lease (as fenceproxy lock does on exit); all of it
+	// reaches the standby.
+	ga := acquire(pg, "a")
+	a := connect(t, url(px, ga))
+	mustExec(t, a, "INSERT INTO items (tag, token) VALUES ('a', $1)", ga)
+	mustExec(t, connect(t, pg.AdminURL()), "SELECT fence.lease_release('billing', 'a', $1)", ga)
+	sb.WaitFlushed(t, pg.CurrentLSN(t), 30*time.Second)
+	sb.CutReplication()
+
+	// b's acquisition and write commit on the primary only.
+	gb := acquire(pg, "b")
+	b := connect(t, url(px, gb))
+	mustExec(t, b, "INSERT INTO items (tag, token) VALUES ('b lost', $1)", gb)
+	pg.Kill(t)
+	sb.Promote(t)
+
+	after := testenv.StartProxy(t, sb.Postgres, cfg)
+	// b's generation was never issued on the new timeline.
+	err := connectErr(url(after, gb))
+	wantCode(t, err, fence.CodeNotIssued)
+
+	gc := acquire(sb.Postgres, "c")
+	if gc <= gb {
+		t.Errorf("the new primary issued generation %d to c; b holds %d from the lost timeline: issued twice or below", gc, gb)
+	}
+	t.Logf("generations: a %d, b %d (lost timeline), c %d (new timeline)", ga, gb, gc)
+	c := connect(t, url(after, gc))
+	mustExec(t, c, "INSERT INTO items (tag, token) VALUES ('c', $1)", gc)
+
+	// b and a, from the lost timeline, are refused next to c; c keeps writing.
+	wantStale(t, connectErr(url(after, gb)))
+	wantStale(t, connectErr(url(after, ga)))
+	mustExec(t, c, "INSERT INTO items (tag, token) VALUES ('c', $1)", gc)
+
+	check := connect(t, sb.AdminURL())
+	if n := count(t, check, "SELECT count(*)::int FROM items WHERE token <> $1 AND id > (SELECT min(id) FROM items WHERE token = $1)", gc); n != 0 {
+		t.Errorf("%d stale rows committed after c's first write", n)
+	}
+	if n := count(t, check, "SELECT count(*)::int FROM items WHERE token = $1", gb); n != 0 {
+		t.Errorf("%d rows of b's generation %d on the new primary", n, gb)
+	}
+	var holder string
+	var gen int64
+	if err := check.QueryRow(ctxT(t), "SELECT holder, generation FROM fence.leases WHERE resource = 'billing'").Scan(&holder, &gen); err != nil {
+		t.Fatal(err)
+	}
+	if holder != "c" || gen != gc {
+		t.Errorf("the lease is held by %q with generation %d, want c with %d", holder, gen, gc)
 	}
 }
