@@ -78,7 +78,9 @@ type Server struct {
 	readyOnce sync.Once
 	// listenSynced is true while the control database's listener is synced (readyz).
 	listenSynced atomic.Bool
-	lead         *leadership
+	// keyRefusals are the databases that refused the proxy key (keyRefused logs each once).
+	keyRefusals sync.Map
+	lead        *leadership
 
 	clients    atomic.Int64
 	sessionIDs atomic.Uint64 // for log correlation
