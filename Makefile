@@ -110,10 +110,10 @@ bench: deps
 bench-quick: deps
 	$(GO) run ./cmd/bench --quick $(BENCH_FLAGS)
 
-# The drivers' own test suites (node-postgres's integration tests, psycopg 3's pytest suite)
-# straight to PostgreSQL, through the proxy unfenced and through it fenced; fails if a test
-# passes only directly (scripts/driver-suites.sh, cmd/driversuites). psycopg-suite: psycopg's
-# alone.
+# The drivers' own test suites (node-postgres's integration tests, psycopg 3's pytest suite,
+# pgx's tests) straight to PostgreSQL and through the proxy by each admission path
+# (SUITE_MODES, default direct,unfenced,bare,consul,lease); fails if a test passes only
+# directly (scripts/driver-suites.sh, cmd/driversuites). psycopg-suite: psycopg's alone.
 driver-suites:
 	bash scripts/driver-suites.sh
 

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # The drivers' own test suites through fenceproxy (`make driver-suites`; `make psycopg-suite`
-# runs psycopg's alone): node-postgres's integration tests and psycopg 3's pytest suite, each
-# straight to PostgreSQL, through the proxy unfenced and through it fenced. This script
+# runs psycopg's alone): node-postgres's integration tests, psycopg 3's pytest suite and pgx's
+# tests, each straight to PostgreSQL and through the proxy by each admission path (unfenced, a
+# bare resource, a Consul-validated one, a PostgreSQL lease resource). This script
 # installs what the suites need and gets their sources; cmd/driversuites starts the servers
 # (internal/testenv), runs, compares and reports (see its doc comment), and exits non-zero
 # when a test passes directly but fails through the proxy.
 #
 # On Debian 12 as root:
 #   1. installs with apt-get what the suites need: scripts/deps.sh (PostgreSQL 15, node and
-#      npm, Go modules), python3-psycopg and python3-psycopg-pool (the driver under test),
+#      npm, Go modules: pgx's tests come from the module cache, Consul built for the consul
+#      mode), python3-psycopg and python3-psycopg-pool (the driver under test),
 #      python3-pytest and the plugins and optional modules psycopg's tests use;
 #   2. gets each suite's source tree into ~/.cache/fenceproxy/driver-suites/NAME-VERSION,
 #      from the first of: that cache; $PSYCOPG_SUITE_SRC / $NODE_POSTGRES_SRC (a source tree,
@@ -25,7 +27,8 @@
 # Settings (environment variables; cmd/driversuites reads its own, see `go run
 # ./cmd/driversuites --help`: SUITES, SUITE_MODES, SUITE_RECHECK, SUITE_PYTEST_ARGS,
 # NODE_SUITE_FILES, SUITE_TEST_TIMEOUT, SUITE_KEEP...):
-#   SUITES=node-postgres,psycopg    the suites to run
+#   SUITES=node-postgres,psycopg,pgx  the suites to run
+#   SUITE_MODES=direct,unfenced,bare,consul,lease  the paths (direct first: the reference)
 #   PSYCOPG_SUITE_SRC=, NODE_POSTGRES_SRC=   where to get a suite that is not cached (see 2.)
 #   NODE_POSTGRES_VERSION=8.23.0    node-postgres's release whose tests and lib run
 #   SUITE_DEPS=1                    0: install nothing (the caller did)
@@ -37,7 +40,7 @@ prog=driver-suites
 # shellcheck source=scripts/lib.sh
 . scripts/lib.sh
 
-suites=${SUITES:-node-postgres,psycopg}
+suites=${SUITES:-node-postgres,psycopg,pgx}
 cache=${SUITE_CACHE:-$HOME/.cache/fenceproxy/driver-suites}
 python=/usr/bin/python3 # Debian's: python3-psycopg is installed for it, whatever PATH says
 node_version=${NODE_POSTGRES_VERSION:-8.23.0}

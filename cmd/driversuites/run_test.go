@@ -33,19 +33,19 @@ func TestCompare(t *testing.T) {
 		record{Test: "f", Outcome: "pending", Conns: conns{Fenced: 2, Elsewhere: 1}},
 		record{Test: "f", Outcome: "passed"},
 	)
-	c := config{Modes: []string{"direct", "fenced"}}
-	v, err := compare(context.Background(), c, nil, nil, map[string]*results{"direct": direct, "fenced": fenced}, t.TempDir())
+	c := config{Modes: []string{"direct", "bare"}}
+	v, err := compare(context.Background(), c, nil, nil, map[string]*results{"direct": direct, "bare": fenced}, t.TempDir())
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := []string{"fenced: b (failed): boom at x", "fenced: e (missing): "}
+	want := []string{"bare: b (failed): boom at x", "bare: e (missing): "}
 	if !slices.Equal(v.differences, want) {
 		t.Errorf("differences %q, want %q", v.differences, want)
 	}
-	if want := []string{"a (0 with the token, 1 without, 0 elsewhere)"}; !slices.Equal(v.noToken, want) {
+	if want := []string{"a (0 with the token, 1 without, 0 elsewhere)"}; !slices.Equal(v.noToken["bare"], want) {
 		t.Errorf("token-less %q, want %q", v.noToken, want)
 	}
-	if want := []string{"f (2 with the token, 0 without, 1 elsewhere)"}; !slices.Equal(v.elsewhere, want) {
+	if want := []string{"f (2 with the token, 0 without, 1 elsewhere)"}; !slices.Equal(v.elsewhere["bare"], want) {
 		t.Errorf("elsewhere %q, want %q", v.elsewhere, want)
 	}
 }

@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -16,6 +17,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/jackc/pgx/v5"
 )
 
 // The reporters, written into the work folder and loaded into each suite's runner: they
@@ -261,4 +264,148 @@ func (p *pytestSuite) run(ctx context.Context, t target, only []string, dir, tag
 		return nil, fmt.Errorf("pytest exited %d: %s", code, tail(logFile, 20))
 	}
 	return readRecords(recs)
+}
+
+// pgxSuite is pgx's own tests: the pgx module the proxy is built with (its version in go.mod),
+// copied from the module cache into the work folder, run by go test -json in the packages
+// that talk to a server, with PGX_TEST_DATABASE the run's URL (the fencing parameters in its
+// options). Tests that need another server setup (PGX_TEST_TLS_CONN_STRING,
+// PGX_TEST_PGBOUNCER_CONN_STRING...) skip themselves. A record is a top-level test; pgx's
+// tests are not instrumented, so their connections are not counted.
+type pgxSuite struct {
+	c   config
+	src string // the copy of the module
+}
+
+func (p *pgxSuite) name() string { return "pgx" }
+func (p *pgxSuite) uncounted()   {} // its connections are not counted
+func (p *pgxSuite) db() string   { return "pgx" }
+
+func (p *pgxSuite) check() error {
+	out, err := exec.Command("go", "list", "-m", "-f", "{{.Dir}}", "github.com/jackc/pgx/v5").Output()
+	if err != nil {
+		return fmt.Errorf("go list -m github.com/jackc/pgx/v5 (run make deps): %w", err)
+	}
+	if dir := strings.TrimSpace(string(out)); dir == "" {
+		return errors.New("pgx's module is not in the module cache (run make deps)")
+	}
+	return nil
+}
+
+// prepare creates in db what pgx's tests expect of their database (its
+// testsetup/postgresql_setup.sql, the part that is not roles or server settings).
+func (p *pgxSuite) prepare(ctx context.Context, url string) error {
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return err
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	for _, q := range []string{"CREATE EXTENSION IF NOT EXISTS hstore", "CREATE EXTENSION IF NOT EXISTS ltree", "CREATE DOMAIN uint64 AS numeric(20,0)"} {
+		if _, err := conn.Exec(ctx, q); err != nil {
+			return fmt.Errorf("pgx's test setup: %s: %w", q, err)
+		}
+	}
+	return nil
+}
+
+// source copies the module once into dir (the cache's copy is read-only).
+func (p *pgxSuite) source(ctx context.Context, dir string) (string, error) {
+	if p.src != "" {
+		return p.src, nil
+	}
+	out, err := exec.CommandContext(ctx, "go", "list", "-m", "-f", "{{.Dir}}", "github.com/jackc/pgx/v5").Output()
+	if err != nil {
+		return "", err
+	}
+	src := filepath.Join(dir, "pgx-src")
+	if out, err := exec.CommandContext(ctx, "cp", "-r", strings.TrimSpace(string(out)), src).CombinedOutput(); err != nil {
+		return "", fmt.Errorf("copying pgx's module: %w: %s", err, out)
+	}
+	if out, err := exec.CommandContext(ctx, "chmod", "-R", "u+w", src).CombinedOutput(); err != nil {
+		return "", fmt.Errorf("chmod: %w: %s", err, out)
+	}
+	p.src = src
+	return src, nil
+}
+
+func (p *pgxSuite) run(ctx context.Context, t target, only []string, dir, tag string) (*results, error) {
+	src, err := p.source(ctx, dir)
+	if err != nil {
+		return nil, err
+	}
+	q := url.Values{"sslmode": {"disable"}}
+	if o := t.options(); o != "" {
+		q.Set("options", o)
+	}
+	u := url.URL{Scheme: "postgres", User: url.UserPassword(t.user, t.password), Host: fmt.Sprintf("%s:%d", t.host, t.port), Path: "/" + t.db,
+		RawQuery: strings.ReplaceAll(q.Encode(), "+", "%20")}
+	env := []string{"PGX_TEST_DATABASE=" + u.String()}
+	// Runs: the configured packages, or, for only, each test's package with -run.
+	type goTest struct{ pkg, run string }
+	var runs []goTest
+	if only == nil {
+		for _, pkg := range p.c.PgxPackages {
+			runs = append(runs, goTest{pkg, p.c.PgxRun})
+		}
+	} else {
+		for _, test := range only {
+			pkg, name, _ := strings.Cut(test, "::")
+			runs = append(runs, goTest{pkg, "^" + regexp.QuoteMeta(name) + "$"})
+		}
+	}
+	r := &results{}
+	for i, gt := range runs {
+		logFile := filepath.Join(dir, fmt.Sprintf("%s-%d.jsonl", tag, i))
+		args := []string{"go", "test", "-json", "-count=1", "-p", "1", "-timeout", (10 * p.c.TestTimeout).String()}
+		if gt.run != "" {
+			args = append(args, "-run", gt.run)
+		}
+		code, err := command(ctx, src, env, logFile, 2*time.Hour, append(args, gt.pkg)...)
+		if err != nil {
+			return nil, err
+		}
+		n, err := readGoTestJSON(logFile, gt.pkg, r)
+		if err != nil {
+			return nil, err
+		}
+		if n == 0 && code != 0 {
+			return nil, fmt.Errorf("go test %s exited %d without a test result: %s", gt.pkg, code, tail(logFile, 10))
+		}
+	}
+	return r, nil
+}
+
+// readGoTestJSON adds the top-level tests of go test -json's output (of package pkg, as the
+// command line named it) to r, each with its last lines of output when it failed, and returns
+// how many it added.
+func readGoTestJSON(path, pkg string, r *results) (int, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return 0, err
+	}
+	defer f.Close()
+	output := map[string][]string{}
+	n := 0
+	sc := bufio.NewScanner(f)
+	sc.Buffer(make([]byte, 64*1024), 16*1024*1024)
+	for sc.Scan() {
+		var ev struct{ Action, Test, Output string }
+		if json.Unmarshal(sc.Bytes(), &ev) != nil || ev.Test == "" || strings.Contains(ev.Test, "/") {
+			continue // go's own lines (a build failure), package events, subtests
+		}
+		switch ev.Action {
+		case "output":
+			lines := append(output[ev.Test], strings.TrimRight(ev.Output, "\n"))
+			output[ev.Test] = lines[max(0, len(lines)-8):]
+		case "pass", "fail", "skip":
+			outcome := map[string]string{"pass": "passed", "fail": "failed", "skip": "skipped"}[ev.Action]
+			rec := record{Test: pkg + "::" + ev.Test, Outcome: outcome}
+			if outcome == "failed" {
+				rec.Message = strings.Join(output[ev.Test], " | ")
+			}
+			r.add(rec)
+			n++
+		}
+	}
+	return n, sc.Err()
 }

@@ -100,6 +100,14 @@ func (s *ServeCmd) Run(ctx context.Context, log *zap.Logger, level zap.AtomicLev
 	if err != nil {
 		return err
 	}
+	// A key file that is not the one migrate stored fails the start, not every session later
+	// (with --control-database; without one the first fenced session of a database says so).
+	kctx, cancelKey := context.WithTimeout(ctx, 15*time.Second)
+	err = srv.CheckKey(kctx)
+	cancelKey()
+	if err != nil {
+		return err
+	}
 	ln, err := net.Listen("tcp", srv.Addr())
 	if err != nil {
 		return err

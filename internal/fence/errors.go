@@ -52,8 +52,9 @@ const (
 	// session; the PostgreSQL lease does not read it). Message: "fencing session mismatch".
 	CodeHolderMismatch = "ZF009"
 	// fence.bind, fence.raise or fence.settled without the proxy's proof: client SQL, or a
-	// proxy whose --key-file is not the key stored in the database. Message: "fencing proof
-	// invalid".
+	// proxy whose --key-file is not the key stored in the database (the proxy then says so,
+	// naming its key file; with --control-database it does not start: docs/operations.md).
+	// Message: "fencing proof invalid".
 	CodeProof = "ZF010"
 	// A raise could not end the backends bound to lower tokens within 5 s, or prepared
 	// transactions exist in the database; nothing was raised. Message: "fencing raise failed".

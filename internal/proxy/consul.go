@@ -393,9 +393,9 @@ func (g *Guard) admitRecorded(ctx context.Context, res, key string, tok int64, h
 		return nil
 	}
 	var rec fence.ConsulRecord
-	err := g.pool.AcquireFunc(ctx, func(c *pgxpool.Conn) error {
+	err := onControl(ctx, g.pool, func(conn *pgx.Conn) error {
 		var err error
-		rec, err = g.key.ConsulAdmit(ctx, c.Conn(), res, tok, holder)
+		rec, err = g.key.ConsulAdmit(ctx, conn, res, tok, holder)
 		return err
 	})
 	if err != nil {
@@ -523,8 +523,8 @@ func (g *Guard) record(res string, re *lease.RegressionError) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	err := g.pool.AcquireFunc(ctx, func(c *pgxpool.Conn) error {
-		_, err := g.key.ConsulRegress(ctx, c.Conn(), res, max(1, int64(re.Highest)), re.Reason)
+	err := onControl(ctx, g.pool, func(conn *pgx.Conn) error {
+		_, err := g.key.ConsulRegress(ctx, conn, res, max(1, int64(re.Highest)), re.Reason)
 		return err
 	})
 	if err != nil {
@@ -550,13 +550,13 @@ func (g *Guard) raise(res, key string, tok int64, holder string) {
 	defer cancel()
 	var rec fence.ConsulRecord
 	var stored int64
-	err := g.pool.AcquireFunc(ctx, func(c *pgxpool.Conn) error {
+	err := onControl(ctx, g.pool, func(conn *pgx.Conn) error {
 		var err error
 		// Recorded first: the database never stores a token whose holder it does not know.
-		if rec, err = g.key.ConsulAdmit(ctx, c.Conn(), res, tok, holder); err != nil || !rec.Admits(tok, holder) {
+		if rec, err = g.key.ConsulAdmit(ctx, conn, res, tok, holder); err != nil || !rec.Admits(tok, holder) {
 			return err
 		}
-		stored, err = g.key.Raise(ctx, c.Conn(), res, tok)
+		stored, err = g.key.Raise(ctx, conn, res, tok)
 		return err
 	})
 	if err == nil && stored > tok {

@@ -10,6 +10,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
@@ -155,9 +156,9 @@ func (g *EtcdGuard) record(ctx context.Context, res string, l etcdLeader) error 
 	}
 	holder := "etcd lease " + l.holder
 	var rec fence.ConsulRecord
-	err := g.pool.AcquireFunc(ctx, func(c *pgxpool.Conn) error {
+	err := onControl(ctx, g.pool, func(conn *pgx.Conn) error {
 		var err error
-		rec, err = g.key.ConsulAdmit(ctx, c.Conn(), res, l.rev, holder)
+		rec, err = g.key.ConsulAdmit(ctx, conn, res, l.rev, holder)
 		return err
 	})
 	if err != nil {
@@ -196,8 +197,8 @@ func (g *EtcdGuard) persist(res string, token int64, reason string) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), etcdReadTimeout)
 	defer cancel()
-	err := g.pool.AcquireFunc(ctx, func(c *pgxpool.Conn) error {
-		_, err := g.key.ConsulRegress(ctx, c.Conn(), res, token, reason)
+	err := onControl(ctx, g.pool, func(conn *pgx.Conn) error {
+		_, err := g.key.ConsulRegress(ctx, conn, res, token, reason)
 		return err
 	})
 	if err != nil {
@@ -440,9 +441,9 @@ func plainResource(s *settings, flag, spec, name string) error {
 // and returns the token the database then holds.
 func raiseStored(ctx context.Context, pool *pgxpool.Pool, key fence.Key, res string, token int64) (int64, error) {
 	var stored int64
-	err := pool.AcquireFunc(ctx, func(c *pgxpool.Conn) error {
+	err := onControl(ctx, pool, func(conn *pgx.Conn) error {
 		var err error
-		stored, err = key.Raise(ctx, c.Conn(), res, token)
+		stored, err = key.Raise(ctx, conn, res, token)
 		return err
 	})
 	return stored, err

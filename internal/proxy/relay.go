@@ -9,9 +9,9 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"go.uber.org/zap"
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
@@ -476,31 +476,18 @@ func (sess *session) askSettled() bool {
 	// answer means the control database is in trouble too.
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	var err error
-	// Twice at most: an error that says the server is going away may be the
-	// pooled connection's alone (ended while idle, by an administrator or
-	// idle_session_timeout, and reported at its next use), and so may be every
-	// idle one's: the pool is emptied, so the second question goes on a new
-	// connection, and only its answer can say that the server itself is going
-	// away (CI saw two idle connections ended, and both asked).
-	for attempt := range 2 {
-		if attempt > 0 {
-			srv.control.Reset()
-		}
-		var stored int64
-		err = srv.control.AcquireFunc(ctx, func(c *pgxpool.Conn) error {
-			var err error
-			stored, err = srv.cfg.Key.Settled(ctx, c.Conn(), sess.cred.Resource, sess.cred.Token)
-			return err
-		})
-		if err == nil {
-			sess.log.Debug("asked whether a raise ended the session", zap.Int64("stored", stored))
-			srv.reg.Observe(sess.database, sess.cred.Resource, stored)
-			return true
-		}
-		if !goingAway(err) {
-			break
-		}
+	// On a new connection if the pooled one was ended (CI saw two idle connections
+	// ended, and both asked): onControl.
+	var stored int64
+	err := onControl(ctx, srv.control, func(conn *pgx.Conn) error {
+		var err error
+		stored, err = srv.cfg.Key.Settled(ctx, conn, sess.cred.Resource, sess.cred.Token)
+		return err
+	})
+	if err == nil {
+		sess.log.Debug("asked whether a raise ended the session", zap.Int64("stored", stored))
+		srv.reg.Observe(sess.database, sess.cred.Resource, stored)
+		return true
 	}
 	if goingAway(err) {
 		sess.log.Warn("the server is going away: the session's end was not a raise's", zap.Error(err))

@@ -85,10 +85,12 @@ type Server struct {
 	readyOnce sync.Once
 	// listenSynced is true while the control database's listener is synced (readyz).
 	listenSynced atomic.Bool
-	lead         *leadership
-	version      string
-	reload       func() (applied, skipped []string, err error)
-	pause        pauseState
+	// keyRefusals are the databases that refused the proxy key (keyRefused logs each once).
+	keyRefusals sync.Map
+	lead        *leadership
+	version     string
+	reload      func() (applied, skipped []string, err error)
+	pause       pauseState
 
 	clients    atomic.Int64
 	sessionIDs atomic.Uint64 // for log correlation

@@ -777,6 +777,9 @@ func (sess *session) bound(ctx context.Context, row [][]byte, serverErr *pgproto
 			}
 			return fatalFence(fence.Unavailable(c.Resource, fmt.Sprint(err)))
 		}
+		if f := sess.keyRefused(serverErr); f != nil {
+			return f
+		}
 		if strings.HasPrefix(serverErr.Code, "ZF") {
 			return &fatal{resp: &pgproto3.ErrorResponse{Severity: wire.SeverityFatal, Code: serverErr.Code,
 				Message: serverErr.Message, Detail: serverErr.Detail, Hint: serverErr.Hint}}
