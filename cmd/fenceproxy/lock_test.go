@@ -130,6 +130,19 @@ func TestLockPostgres(t *testing.T) {
 		if !strings.Contains(out.String(), "lost leadership") || !strings.Contains(out.String(), "taken over by thief") {
 			t.Errorf("the output does not say the lease was taken over:\n%s", out.String())
 		}
+		// One log line says the lock is lost and why (the exit message says it again, once).
+		n := 0
+		for _, line := range strings.Split(out.String(), "\n") {
+			if strings.HasPrefix(line, "{") && strings.Contains(line, "lock lost") {
+				n++
+			}
+		}
+		if n != 1 {
+			t.Errorf("%d log lines say \"lock lost\", want one:\n%s", n, out.String())
+		}
+		if !strings.Contains(out.String(), "child exited (") {
+			t.Errorf("the output does not say how the child exited:\n%s", out.String())
+		}
 		if syscall.Kill(pid, 0) == nil {
 			t.Errorf("child %d still running", pid)
 			_ = syscall.Kill(pid, syscall.SIGKILL)

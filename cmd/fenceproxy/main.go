@@ -33,9 +33,10 @@ import (
 
 // globals are flags every subcommand takes.
 type globals struct {
-	Config    kong.ConfigFlag `help:"Configuration file, YAML (.yaml, .yml) or JSON; its keys are the flag names (e.g. listen: 127.0.0.1:7432)." type:"path"`
-	LogLevel  string          `help:"Log level: debug, info, warn, error." default:"info" enum:"debug,info,warn,error"`
-	LogFormat string          `help:"Log format: json or console." default:"json" enum:"json,console"`
+	Config    kong.ConfigFlag  `help:"Configuration file, YAML (.yaml, .yml) or JSON; its keys are the flag names (e.g. listen: 127.0.0.1:7432)." type:"path"`
+	LogLevel  string           `help:"Log level: debug, info, warn, error." default:"info" enum:"debug,info,warn,error"`
+	LogFormat string           `help:"Log format: json or console." default:"json" enum:"json,console"`
+	Version   kong.VersionFlag `help:"Print the version and exit (as the version command does)."`
 }
 
 type cli struct {
@@ -43,7 +44,7 @@ type cli struct {
 
 	Serve   ServeCmd   `cmd:"" help:"Run the proxy."`
 	Migrate MigrateCmd `cmd:"" help:"Install or upgrade the fence schema in a database."`
-	Lock    LockCmd    `cmd:"" help:"Run a command as the leader of a resource (a Consul lock, or the PostgreSQL lease with --store postgres), with its fencing token in the environment."`
+	Lock    LockCmd    `cmd:"" help:"Run a command as the leader of a resource (a Consul lock, an etcd election, a ZooKeeper lock, or the PostgreSQL lease; see --store), with its fencing token in the environment."`
 	Fence   FenceCmd   `cmd:"" help:"Inspect or reset stored fencing tokens (operator tools)."`
 	Version VersionCmd `cmd:"" help:"Print the version."`
 }
@@ -230,6 +231,7 @@ func newParser(c *cli) (*kong.Kong, error) {
 		kong.Name("fenceproxy"),
 		kong.Description("PostgreSQL proxy that fences stale leaders: each session is bound to its fencing token inside PostgreSQL, and admitting a higher token ends the sessions of lower ones."),
 		kong.UsageOnError(),
+		kong.Vars{"version": "fenceproxy " + buildVersion()},
 		kong.DefaultEnvars("FENCEPROXY"),
 		kong.Configuration(configFile),
 	)

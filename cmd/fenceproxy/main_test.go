@@ -105,6 +105,11 @@ func TestServeBinary(t *testing.T) {
 	if err != nil || !strings.Contains(string(out), "applied migration 1") || !strings.Contains(string(out), "created key file "+keyFile) {
 		t.Fatalf("migrate: %v\n%s", err, out)
 	}
+	// In the order it happens: the migrations, the summary, then the key.
+	if o := string(out); strings.Index(o, "applied migration 1") > strings.Index(o, "fence schema installed") ||
+		strings.Index(o, "fence schema installed") > strings.Index(o, "created key file") {
+		t.Fatalf("migrate printed out of order:\n%s", out)
+	}
 	out, err = exec.CommandContext(ctx, bin, "migrate", "--database", pg.AdminURL()).CombinedOutput()
 	if err != nil || !strings.Contains(string(out), "up to date") {
 		t.Fatalf("migrate again: %v\n%s", err, out)

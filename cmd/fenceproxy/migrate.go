@@ -24,6 +24,17 @@ func (m *MigrateCmd) Run(ctx context.Context, log *zap.Logger) error {
 	if err != nil {
 		return fmt.Errorf("migrate: %w", err)
 	}
+	for _, v := range applied {
+		fmt.Printf("applied migration %d\n", v)
+	}
+	switch {
+	case len(applied) == 0:
+		fmt.Printf("fence schema is up to date (version %d)\n", migrations.Version)
+	case applied[0] == 1:
+		fmt.Printf("fence schema installed: now at version %d\n", migrations.Version)
+	default:
+		fmt.Printf("fence schema upgraded from version %d: now at version %d\n", applied[0]-1, migrations.Version)
+	}
 	if m.KeyFile != "" {
 		key, err := fence.LoadKey(m.KeyFile)
 		if errors.Is(err, fs.ErrNotExist) {
@@ -41,17 +52,6 @@ func (m *MigrateCmd) Run(ctx context.Context, log *zap.Logger) error {
 			return fmt.Errorf("migrate: %w", err)
 		}
 		fmt.Println("proxy key stored in the database")
-	}
-	switch {
-	case len(applied) == 0:
-		fmt.Printf("fence schema is up to date (version %d)\n", migrations.Version)
-	case applied[0] == 1:
-		fmt.Printf("installed fence schema version %d\n", migrations.Version)
-	default:
-		fmt.Printf("upgraded fence schema from version %d to %d\n", applied[0]-1, migrations.Version)
-	}
-	for _, v := range applied {
-		fmt.Printf("applied migration %d\n", v)
 	}
 	log.Debug("migrations applied", zap.Int64s("versions", applied))
 	return nil

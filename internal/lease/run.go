@@ -230,12 +230,14 @@ func supervise(ctx context.Context, cfg *RunConfig, lock Lease, log *zap.Logger)
 			stopGroup(ch, cfg.Grace, log)
 		}
 		werr := ch.Reap()
+		logChildExit(log, werr)
 		release(lock, log)
 		return false, exitResult(werr)
 	case <-lock.Done():
-		log.Warn("lost leadership: stopping child", zap.Error(lock.Err()))
+		// The lock's own "lock lost" line (its backend's) says why: not said again here.
+		log.Warn("lost leadership: stopping child")
 		stopGroup(ch, cfg.Grace, log)
-		_ = ch.Reap()
+		logChildExit(log, ch.Reap())
 		return true, nil
 	case <-stalled:
 		// Stopped before the release, as after an exit: no new leader next to it.
@@ -243,14 +245,33 @@ func supervise(ctx context.Context, cfg *RunConfig, lock Lease, log *zap.Logger)
 			zap.String("file", cfg.Watchdog.File), zap.Duration("timeout", cfg.Watchdog.Timeout))
 		stopGroup(ch, cfg.Grace, log)
 		werr := ch.Reap()
+		logChildExit(log, werr)
 		release(lock, log)
 		return false, &WatchdogError{File: cfg.Watchdog.File, Timeout: cfg.Watchdog.Timeout, Exit: exitResult(werr)}
 	case <-ctx.Done():
 		log.Info("asked to stop (SIGTERM or SIGINT): stopping the child, then releasing the lock")
 		stopGroup(ch, cfg.Grace, log)
 		werr := ch.Reap()
+		logChildExit(log, werr)
 		release(lock, log)
 		return false, exitResult(werr)
+	}
+}
+
+// logChildExit logs how the child ended: its exit status, or the signal that ended it.
+func logChildExit(log *zap.Logger, werr error) {
+	var ee *exec.ExitError
+	switch {
+	case werr == nil || errors.Is(werr, exec.ErrWaitDelay):
+		log.Info("child exited (status 0)")
+	case errors.As(werr, &ee):
+		if ws, ok := ee.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
+			log.Info(fmt.Sprintf("child exited (signal %s)", ws.Signal()), zap.Int("signal", int(ws.Signal())))
+			return
+		}
+		log.Info(fmt.Sprintf("child exited (status %d)", ee.ExitCode()), zap.Int("status", ee.ExitCode()))
+	default:
+		log.Warn("child exited (status unknown)", zap.Error(werr))
 	}
 }
 

@@ -64,9 +64,9 @@ type Config struct {
 	// direction (0: 1 GiB, PostgreSQL's own field limit).
 	MaxMessageSize int `help:"Largest protocol message accepted, in bytes (0: 1 GiB)." default:"0"`
 	// LoginTimeout bounds startup and authentication (0: 15 s).
-	LoginTimeout time.Duration `help:"Time allowed for startup and authentication." default:"15s"`
+	LoginTimeout time.Duration `help:"Time allowed for startup and authentication; it includes waiting for the server's first answer." default:"15s"`
 	// ConnectTimeout bounds dialing the server (0: 5 s).
-	ConnectTimeout time.Duration `help:"Time allowed to connect to the server." default:"5s"`
+	ConnectTimeout time.Duration `help:"Time allowed to connect to the server: the TCP (or Unix socket) connect and, when configured, the TLS negotiation; not the server's answer to the startup, which only --login-timeout bounds (a server that accepts and never answers holds a client for the whole --login-timeout)." default:"5s"`
 	// MaxClients is the most client connections at once (0: 1000).
 	MaxClients int `help:"Most client connections at once." default:"1000"`
 	// Relay is how started sessions are relayed: loop (default), by the event loop, a thread
