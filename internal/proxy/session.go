@@ -83,6 +83,7 @@ type session struct {
 	endedCh      chan struct{}                          // closed when end runs
 	lingerResp   atomic.Pointer[pgproto3.ErrorResponse] // endFencing's error, for answerEnded (staleLinger)
 	draining     atomic.Bool                            // relay drains the client connection before it closes it
+	finSent      atomic.Bool                            // endFencing sent the client its FATAL and the end (no linger for an answer)
 
 	// loop is the session's time in the event loop (loop_linux.go), nil if it had none;
 	// resume says that serverToClient starts with the rest of a message the loop relayed
@@ -860,13 +861,15 @@ func (sess *session) onBlocked(err *fence.Error) {
 // before the database ends it, or nil.
 func (sess *session) refusal() *fence.Error {
 	if sess.stale.Load() {
-		return sess.staleError()
+		return sess.endedError(false)
 	}
 	return sess.blocked.Load()
 }
 
-func (sess *session) staleError() *fence.Error {
-	return fence.Ended(sess.cred.Resource, sess.cred.Token, sess.admitted.Load())
+// endedError is the error of a session a raise ended; inFlight: a unit of its
+// client's was unanswered then (fence.Ended).
+func (sess *session) endedError(inFlight bool) *fence.Error {
+	return fence.Ended(sess.cred.Resource, sess.cred.Token, sess.admitted.Load(), inFlight)
 }
 
 // shutdownWhenIdle closes the session now if it is idle between
