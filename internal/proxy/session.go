@@ -425,6 +425,22 @@ func (sess *session) classify(st *wire.Startup) error {
 // the stored one that Consul shows as current is a regression (ZF007, the
 // Guard decides), not a stale leader (ZF001).
 func (sess *session) admit(ctx context.Context) error {
+	err := sess.admitToken(ctx)
+	var f *fatal
+	if errors.As(err, &f) {
+		switch f.resp.Code {
+		case fence.CodeStale, fence.CodeHolderMismatch, fence.CodeMissing:
+			// A leader that holds another key than the one this proxy validates sees it here.
+			if k, ok := sess.srv.admit.(interface{ KeyOf(string) string }); ok && k.KeyOf(sess.cred.Resource) != "" {
+				f.resp.Hint = strings.TrimSpace(f.resp.Hint + fmt.Sprintf(" This proxy validates resource %q against Consul key %q: a lock held on another key is not this resource's.",
+					sess.cred.Resource, k.KeyOf(sess.cred.Resource)))
+			}
+		}
+	}
+	return err
+}
+
+func (sess *session) admitToken(ctx context.Context) error {
 	s, cred := sess.srv, sess.cred
 	if v, ok := s.admit.(interface{ Validates(string) bool }); ok && v.Validates(cred.Resource) {
 		sess.consulChecked = true
