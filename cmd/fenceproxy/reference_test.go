@@ -209,11 +209,12 @@ says what to do; drivers expose the code as their own error type ([applications]
 	b.WriteString(`
 How a refusal reaches the client: a refusal by the proxy at startup is a ` + "`FATAL`" + ` and ends the
 session. A session ended because a higher token was admitted (` + "`ZF001`" + `), or whose resource is
-blocked (` + "`ZF006`" + `, ` + "`ZF007`" + `, at its next message), gets the error as an ` + "`ERROR`" + ` with
-` + "`ReadyForQuery`" + ` for each unit it waits for and for the next one it sends (an idle client is also
-told at once with a ` + "`FATAL`" + `), then the connection closes; the proxy keeps it open (no FIN)
-for up to 5 minutes until the client sends its next message, so that a frozen leader that
-wakes still reads ` + "`ZF001`" + `. Errors of a client's own calls of ` + "`fence.*`" + ` functions (` + "`ZF004`" + `,
+blocked (` + "`ZF006`" + `, ` + "`ZF007`" + `, at its next message), gets the error as a ` + "`FATAL`" + ` and then
+the end of the connection, as PostgreSQL ends a terminated backend's session (no ` + "`ReadyForQuery`" + `:
+drivers see the connection gone). An idle client is told at once with the ` + "`FATAL`" + `, and the proxy
+keeps its connection open (no FIN) for up to 5 minutes until it sends its next message, which
+gets the ` + "`FATAL`" + ` again before the end, so that a frozen leader that wakes still reads
+` + "`ZF001`" + ` ([what each driver shows](applications.md#errors-in-your-driver)). Errors of a client's own calls of ` + "`fence.*`" + ` functions (` + "`ZF004`" + `,
 ` + "`ZF007`" + `, ` + "`ZF008`" + `, ` + "`ZF010`" + `, ` + "`ZF011`" + `) are ordinary ` + "`ERROR`" + `s in a session that goes on.
 
 Other SQLSTATEs the proxy sends: ` + "`53300`" + ` (more than ` + "`--max-clients`" + `), ` + "`54000`" + ` (a message above

@@ -206,10 +206,16 @@ func Unknown(resource string, known []string) *Error {
 }
 
 // Ended is the error a fenced session sees when a raise of its resource ended its backend:
-// the admission of a higher token.
-func Ended(resource string, token, admitted int64) *Error {
+// the admission of a higher token. inFlight says whether a unit the client sent was still
+// unanswered then (its COMMIT may have committed before the raise); otherwise nothing the
+// session sent can have committed after its last answer.
+func Ended(resource string, token, admitted int64, inFlight bool) *Error {
 	e := Stale(resource, token, admitted)
-	e.Detail = "This session's backend was ended when the higher token was admitted: a transaction still open was rolled back; a COMMIT sent but not yet answered may have committed before the new token was admitted, as when any connection is lost."
+	if inFlight {
+		e.Detail = "This session's backend was ended when the higher token was admitted, while a statement of this session was unanswered: a transaction still open was rolled back; if that statement was a COMMIT, it may have committed before the new token was admitted, as when any connection is lost."
+	} else {
+		e.Detail = "This session's backend was ended when the higher token was admitted, while the session waited for no answer: a transaction still open was rolled back, and nothing committed that this session was not told of."
+	}
 	return e
 }
 

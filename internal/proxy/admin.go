@@ -51,6 +51,10 @@ type ResourceStatus struct {
 	Free bool `json:"free,omitempty"`
 	// Sessions counts the sessions open through this proxy, by token.
 	Sessions map[string]int `json:"sessions"`
+	// StaleSessionsEnded counts the sessions that ended after a higher token was admitted
+	// (fenceproxy_resource_stale_sessions_ended_total); Refusals lists the latest (phase
+	// "session").
+	StaleSessionsEnded int64 `json:"stale_sessions_ended"`
 	// Removed: the proxy no longer serves the resource (a reload removed it) and lists it
 	// only while sessions of it remain open.
 	Removed bool `json:"removed,omitempty"`
@@ -117,6 +121,7 @@ func (s *Server) status() Status {
 		r := ResourceStatus{Resource: l.Resource, Store: s.storeOf(l.Resource), Token: l.Token, Holder: l.Holder, HolderName: l.HolderName, Changes: l.Changes,
 			Flapping: s.lead.isFlapping(l.Resource, now), Sessions: map[string]int{}, Removed: !slices.Contains(names, l.Resource)}
 		r.Bare = r.Store == AuthorityBare
+		r.StaleSessionsEnded = s.lead.staleEnded(l.Resource)
 		r.Paused, r.Waiting = pause.all || pause.resources[l.Resource], pause.waiting[l.Resource]
 		if !l.Since.IsZero() {
 			r.AdmittedAt = &l.Since

@@ -69,7 +69,7 @@ func TestAdminConsole(t *testing.T) {
 			{"SHOW FENCES", "billing|bare|5|||"},
 			{"SHOW BINDINGS", "billing|5|1|f"},
 			{"SHOW CLIENTS", "|app|postgres|billing|5|f|idle|"},
-			{"SHOW REFUSALS", "|billing|4|ZF001|stale fencing token"},
+			{"SHOW REFUSALS", "|start|billing|4|ZF001|stale fencing token"},
 			{"SHOW STATS", "fenceproxy_leader_token|resource=billing|5\n"},
 			{"SHOW FENCES; SHOW VERSION", "fenceproxy "},
 		} {

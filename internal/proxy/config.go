@@ -115,6 +115,10 @@ type Config struct {
 	// waits for the registry to learn of a raise when the proxy cannot ask the
 	// database (relay.go, staleWait; 0: that default). Tests set it.
 	StaleWait time.Duration `kong:"-" json:"-"`
+	// StaleLinger is how long the client connection of a session ended with a fencing
+	// error stays open for its next message (relay.go, staleLinger; 0: that default).
+	// Tests set it.
+	StaleLinger time.Duration `kong:"-" json:"-"`
 
 	// MetricsListen is the admin listener: /metrics, /healthz, /readyz, /status and the
 	// status page (empty: off). A port alone (":9187") listens on loopback.
@@ -223,6 +227,9 @@ func (c Config) validate() (*settings, error) {
 	}
 	if s.StaleWait <= 0 {
 		s.StaleWait = staleWait
+	}
+	if s.StaleLinger <= 0 {
+		s.StaleLinger = staleLinger
 	}
 	if s.MaxMessageSize <= 0 {
 		s.MaxMessageSize = wire.DefaultMaxMessageSize

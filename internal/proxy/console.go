@@ -388,9 +388,9 @@ func (c *console) show(what string) bool {
 			if r.Token != 0 {
 				token = r.Token
 			}
-			rows = append(rows, []any{r.At, orNull(r.Resource), token, r.SQLState, r.Message})
+			rows = append(rows, []any{r.At, r.Phase, orNull(r.Resource), token, r.SQLState, r.Message})
 		}
-		c.result("SHOW", []column{{name: "at", oid: oidTimestamptz}, {name: "resource"}, {name: "token", oid: oidInt8}, {name: "sqlstate"}, {name: "message"}}, rows)
+		c.result("SHOW", []column{{name: "at", oid: oidTimestamptz}, {name: "phase"}, {name: "resource"}, {name: "token", oid: oidInt8}, {name: "sqlstate"}, {name: "message"}}, rows)
 	case "STATS":
 		rows, err := s.stats()
 		if err != nil {

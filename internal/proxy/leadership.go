@@ -15,14 +15,22 @@ import (
 // maxRefusals is how many recent refusals /status keeps.
 const maxRefusals = 50
 
-// Refusal is a session the proxy refused at its start with a fencing error.
+// Refusal is a session the proxy refused with a fencing error: at its start (Phase
+// "start"), or after it (Phase "session": a stale or blocked session ended, its client told).
 type Refusal struct {
 	At       time.Time `json:"at"`
+	Phase    string    `json:"phase"`
 	Resource string    `json:"resource,omitempty"`
 	Token    int64     `json:"token,omitempty,string"` // a string: JSON numbers lose precision above 2^53 in a script
 	SQLState string    `json:"sqlstate"`
 	Message  string    `json:"message"`
 }
+
+// The phases of a Refusal.
+const (
+	PhaseStart   = "start"
+	PhaseSession = "session"
+)
 
 // leadership makes the registry's view of each resource's leader visible: the leader
 // metrics (read from the registry at each scrape, so nothing is added to a session's
@@ -103,12 +111,10 @@ func (l *leadership) isFlapping(resource string, now time.Time) bool {
 
 // refusal records a session refused at its start.
 func (l *leadership) refusal(r Refusal) {
+	r.Phase = PhaseStart
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	if len(l.refusals) == maxRefusals {
-		l.refusals = slices.Delete(l.refusals, 0, 1)
-	}
-	l.refusals = append(l.refusals, r)
+	l.recordLocked(r)
 	// Only resources the proxy serves get a series: a client's name for an unknown resource
 	// (ZF005) must not create metrics without end.
 	if slices.Contains(l.srv.conf().names, r.Resource) {
@@ -116,11 +122,35 @@ func (l *leadership) refusal(r Refusal) {
 	}
 }
 
+func (l *leadership) recordLocked(r Refusal) {
+	if len(l.refusals) == maxRefusals {
+		l.refusals = slices.Delete(l.refusals, 0, 1)
+	}
+	l.refusals = append(l.refusals, r)
+}
+
+// endedSession records a started session that the proxy ended with a fencing error (fe): a stale
+// one (ZF001), or one whose resource is blocked (ZF006, ZF007). Its count is
+// endedStale's.
+func (l *leadership) endedSession(resource string, token int64, fe *fence.Error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.recordLocked(Refusal{At: time.Now(), Phase: PhaseSession, Resource: resource, Token: token, SQLState: fe.Code, Message: fe.Message})
+}
+
 // endedStale records a fenced session that ended after its token went stale.
 func (l *leadership) endedStale(resource string) {
 	l.mu.Lock()
 	l.ended[resource]++
 	l.mu.Unlock()
+}
+
+// staleEnded is how many sessions of resource ended after their token went stale
+// (fenceproxy_resource_stale_sessions_ended_total, /status).
+func (l *leadership) staleEnded(resource string) int64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return int64(l.ended[resource])
 }
 
 func (l *leadership) recentRefusals() []Refusal {

@@ -54,16 +54,17 @@ import (
 // without the proxy.
 const staleWait = time.Second
 
-// staleLinger is how long the client connection of a session ended with a
-// fencing error stays open after the server connection closed. A stale leader
-// may be frozen, or idle in a transaction, when its session ends, and send its
-// COMMIT much later. Were the socket closed by then, the kernel would answer
-// that COMMIT with a reset, and libpq reports a FATAL error followed by the
-// end as "server closed the connection unexpectedly" without its SQLSTATE
-// anyway; so the proxy keeps the connection and answers the client's next unit
-// itself, with the error as an ERROR and a ReadyForQuery, as a server that
-// refused it would (answerEnded), then closes. A client that closes, or a
-// proxy that shuts down, ends it sooner.
+// staleLinger is how long (Config.StaleLinger's default) the client connection
+// of an idle session ended with a fencing error stays open after the server
+// connection closed. A stale leader may be frozen, or idle in a transaction,
+// when its session ends, and send its COMMIT much later. Were the socket closed
+// by then, the kernel would answer that COMMIT with a reset, and libpq reports
+// the FATAL it read earlier, while idle, as "server closed the connection
+// unexpectedly" without its SQLSTATE; so the proxy keeps the connection and
+// answers the client's next message itself with the error as a FATAL, then
+// closes (answerEnded), as PostgreSQL ends a terminated session: drivers see
+// the SQLSTATE and a connection that is gone. A client that closes, or a proxy
+// that shuts down, ends it sooner.
 const staleLinger = 5 * time.Minute
 
 // errServerGone marks errors of the server connection (read or write), as
@@ -257,20 +258,22 @@ func (sess *session) end(resp *pgproto3.ErrorResponse) {
 	})
 }
 
-// endFencing ends a session with a fencing error, keeping the client
-// connection for answerEnded (staleLinger): the units the client waits for
-// get the error now, as an ERROR and a ReadyForQuery each; an idle client
-// (answering: false) is told at once with a FATAL, which drivers that read
-// while idle (LISTEN) see, and its next unit gets the error again.
+// endFencing ends a session with a fencing error, as PostgreSQL ends a
+// terminated backend's session: with the error as a FATAL and then the end of
+// the connection. A client that waits for answers (units in flight, or
+// answering: the unit it just sent) gets the FATAL now and then the end (no
+// ReadyForQuery: drivers take the connection for gone, psycopg's closed, pgx's
+// IsClosed). An idle client is told at once with a FATAL too, which drivers
+// that read while idle (LISTEN) see, and the connection waits (StaleLinger) for
+// its next message, which answerEnded answers with the FATAL again before the
+// end: a frozen leader that wakes reads the SQLSTATE.
 func (sess *session) endFencing(fe *fence.Error, answering bool) {
 	sess.recall()
 	sess.endOnce.Do(func() {
 		sess.ended.Store(true)
 		close(sess.endedCh)
-		sess.srv.metrics.rejection(fe.Code)
 		// The server first: nothing it still sends may follow the error.
 		sess.server.Close()
-		resp := fe.Response(wire.SeverityError)
 		// Before cwMu: a relayed write blocked on a client that does not
 		// read, holding it, fails by then.
 		sess.client.SetWriteDeadline(time.Now().Add(time.Second)) //nolint:errcheck
@@ -289,16 +292,17 @@ func (sess *session) endFencing(fe *fence.Error, answering bool) {
 		waiting := sess.outstanding
 		sess.outstanding = 0
 		sess.mu.Unlock()
-		var err error
-		switch {
-		case waiting > 0:
-			body := wire.AppendError(nil, resp)[5:]
-			for range waiting {
-				err = errors.Join(err, wire.WriteMessage(sess.cw, 'E', body), wire.WriteMessage(sess.cw, 'Z', []byte{'I'}))
-			}
-		case !answering:
-			err = wire.WriteMessage(sess.cw, 'E', wire.AppendError(nil, fe.Response(wire.SeverityFatal))[5:])
+		if waiting > 0 && fe.Code == fence.CodeStale && sess.stale.Load() {
+			// A unit was unanswered when the backend ended: its COMMIT may have
+			// committed, and the detail says so.
+			fe = sess.endedError(true)
 		}
+		sess.srv.metrics.rejection(fe.Code)
+		sess.srv.lead.endedSession(sess.cred.Resource, sess.cred.Token, fe)
+		sess.log.Info("session ended with a fencing error", zap.String("sqlstate", fe.Code), zap.String("reason", fe.Message),
+			zap.Int("in_flight", waiting), zap.Bool("answering", answering))
+		resp := fe.Response(wire.SeverityFatal)
+		err := wire.WriteMessage(sess.cw, 'E', wire.AppendError(nil, resp)[5:])
 		err = errors.Join(err, sess.cw.Flush())
 		sess.cwMu.Unlock()
 		if err != nil {
@@ -309,48 +313,35 @@ func (sess *session) endFencing(fe *fence.Error, answering bool) {
 			return
 		}
 		sess.lingerResp.Store(resp)
-		sess.client.SetReadDeadline(time.Now().Add(staleLinger)) //nolint:errcheck
+		if waiting > 0 || answering {
+			// The client reads its answer: the end follows the FATAL now, as
+			// PostgreSQL's; what the client still sends is read and dropped
+			// (answerEnded) until it closes, so that the close resets nothing.
+			sess.halfClose()
+			sess.finSent.Store(true)
+		}
+		sess.client.SetReadDeadline(time.Now().Add(sess.srv.cfg.StaleLinger)) //nolint:errcheck
 	})
 }
 
-// answerEnded answers, as a server that refuses them would, the messages the
-// client sends after its session ended with a fencing error, from typ on:
-// the unit gets the error and a ReadyForQuery, then the connection closes
-// (relay drains what follows, so that the close resets nothing).
+// answerEnded answers the message (typ) the client sends after its session
+// ended with a fencing error, as PostgreSQL's end of a terminated session
+// would: with the error as a FATAL (again: a driver that read the first one
+// while idle took it for a notice), then the end of the connection (relay
+// drains what follows, so that the close resets nothing). A client that was
+// sent the end already (finSent) gets nothing more.
 func (sess *session) answerEnded(typ byte) error {
-	resp := sess.lingerResp.Load()
-	errSent := false
-	for {
-		// Each answer gets its own second: the client may send its Sync
-		// long after the message that got the error.
-		sess.client.SetWriteDeadline(time.Now().Add(time.Second)) //nolint:errcheck
-		switch typ {
-		case 'X':
-			return io.EOF
-		case 'Q', 'F', 'S':
-			if !errSent {
-				sess.writeClientError(resp) //nolint:errcheck // the connection closes anyway
-			}
-			sess.writeClient('Z', []byte{'I'}) //nolint:errcheck
-			sess.flushClient()                 //nolint:errcheck
-			sess.halfClose()
-			sess.draining.Store(true)
-			return errEnded
-		case 'd', 'c', 'f':
-			// COPY data of a copy that ended with the session: its end is
-			// answered with the unit's ReadyForQuery.
-		default: // Parse, Bind, Describe, Execute, Close, Flush: the unit fails at its first
-			if !errSent {
-				sess.writeClientError(resp) //nolint:errcheck
-				sess.flushClient()          //nolint:errcheck
-				errSent = true
-			}
-		}
-		var err error
-		if typ, _, err = sess.cr.Next(); err != nil {
-			return err
-		}
+	if typ == 'X' {
+		return io.EOF
 	}
+	if !sess.finSent.Load() {
+		sess.client.SetWriteDeadline(time.Now().Add(time.Second)) //nolint:errcheck
+		sess.writeClientError(sess.lingerResp.Load())             //nolint:errcheck // the connection closes anyway
+		sess.flushClient()                                        //nolint:errcheck
+		sess.halfClose()
+	}
+	sess.draining.Store(true)
+	return errEnded
 }
 
 // halfClose ends the proxy's side of the client connection, so that the
@@ -380,7 +371,7 @@ func (sess *session) endWhenStale() {
 	case <-sess.staleCh:
 		sess.recall()
 		sess.log.Info("ending stale session", zap.Int64("admitted", sess.admitted.Load()), zap.Bool("in_flight", sess.busy()))
-		sess.endWhenAnswered(sess.staleError(), false)
+		sess.endWhenAnswered(sess.endedError(false), false)
 	case <-sess.done:
 	}
 }
@@ -439,7 +430,7 @@ func (sess *session) explainServerEnd() {
 		t.Stop()
 	}
 	if sess.stale.Load() {
-		sess.endFencing(sess.staleError(), false)
+		sess.endFencing(sess.endedError(false), false)
 		return
 	}
 	// Not known to be stale: the server's own error (or one saying it closed
@@ -714,6 +705,7 @@ func (sess *session) clientToServer() error {
 			// reach the client first, then the session ends and this
 			// one gets the error.
 			if fe := sess.refusal(); fe != nil {
+				sess.log.Info("message of a fenced session refused", zap.String("sqlstate", fe.Code), zap.String("reason", fe.Message), zap.String("message_type", string(typ)))
 				sess.endWhenAnswered(fe, true)
 				<-sess.endedCh
 				if sess.lingerResp.Load() == nil {

@@ -83,6 +83,7 @@ type session struct {
 	endedCh      chan struct{}                          // closed when end runs
 	lingerResp   atomic.Pointer[pgproto3.ErrorResponse] // endFencing's error, for answerEnded (staleLinger)
 	draining     atomic.Bool                            // relay drains the client connection before it closes it
+	finSent      atomic.Bool                            // endFencing sent the client its FATAL and the end (no linger for an answer)
 
 	// loop is the session's time in the event loop (loop_linux.go), nil if it had none;
 	// resume says that serverToClient starts with the rest of a message the loop relayed
@@ -424,6 +425,22 @@ func (sess *session) classify(st *wire.Startup) error {
 // the stored one that Consul shows as current is a regression (ZF007, the
 // Guard decides), not a stale leader (ZF001).
 func (sess *session) admit(ctx context.Context) error {
+	err := sess.admitToken(ctx)
+	var f *fatal
+	if errors.As(err, &f) {
+		switch f.resp.Code {
+		case fence.CodeStale, fence.CodeHolderMismatch, fence.CodeMissing:
+			// A leader that holds another key than the one this proxy validates sees it here.
+			if k, ok := sess.srv.admit.(interface{ KeyOf(string) string }); ok && k.KeyOf(sess.cred.Resource) != "" {
+				f.resp.Hint = strings.TrimSpace(f.resp.Hint + fmt.Sprintf(" This proxy validates resource %q against Consul key %q: a lock held on another key is not this resource's.",
+					sess.cred.Resource, k.KeyOf(sess.cred.Resource)))
+			}
+		}
+	}
+	return err
+}
+
+func (sess *session) admitToken(ctx context.Context) error {
 	s, cred := sess.srv, sess.cred
 	if v, ok := s.admit.(interface{ Validates(string) bool }); ok && v.Validates(cred.Resource) {
 		sess.consulChecked = true
@@ -863,13 +880,15 @@ func (sess *session) onBlocked(err *fence.Error) {
 // before the database ends it, or nil.
 func (sess *session) refusal() *fence.Error {
 	if sess.stale.Load() {
-		return sess.staleError()
+		return sess.endedError(false)
 	}
 	return sess.blocked.Load()
 }
 
-func (sess *session) staleError() *fence.Error {
-	return fence.Ended(sess.cred.Resource, sess.cred.Token, sess.admitted.Load())
+// endedError is the error of a session a raise ended; inFlight: a unit of its
+// client's was unanswered then (fence.Ended).
+func (sess *session) endedError(inFlight bool) *fence.Error {
+	return fence.Ended(sess.cred.Resource, sess.cred.Token, sess.admitted.Load(), inFlight)
 }
 
 // shutdownWhenIdle closes the session now if it is idle between

@@ -17,6 +17,7 @@ DECLARE
     victims    integer[];
     alive      integer[];
     deadline   timestamptz := clock_timestamp() + p_timeout;
+    busy       text;
 BEGIN
     -- (P1, P2) Only READ COMMITTED reads fence.bindings with a snapshot taken after the lock:
     -- under REPEATABLE READ the list would miss the bindings committed since the transaction's
@@ -53,12 +54,21 @@ BEGIN
             WHERE b.resource = p_resource AND b.token < p_token;
             EXIT WHEN alive IS NULL;
             IF clock_timestamp() > deadline THEN
+                -- What each one is doing: a backend busy in code that does not check for
+                -- interrupts (libxml2's XPath evaluation) exits only when that call returns.
+                SELECT string_agg(format('pid %s (state %s, wait_event %s, statement running for %s: %s)',
+                                         a.pid, coalesce(a.state, 'unknown'),
+                                         coalesce(a.wait_event_type || ':' || a.wait_event, 'none'),
+                                         coalesce(date_trunc('second', clock_timestamp() - a.query_start)::text, 'unknown'),
+                                         left(coalesce(a.query, ''), 80)), '; ' ORDER BY a.pid)
+                INTO busy
+                FROM pg_stat_get_activity(NULL) AS a WHERE a.pid = ANY (alive);
                 RAISE EXCEPTION USING
                     ERRCODE = 'ZF011',
                     MESSAGE = format('fencing raise failed: resource "%s" was not raised to token %s because backends bound to a lower token did not exit within %s: pids %s',
                                      p_resource, p_token, p_timeout, array_to_string(alive, ', ')),
-                    DETAIL = 'Nothing was raised; the stale sessions were signalled to terminate.',
-                    HINT = 'Find out why those backends do not exit (pg_stat_activity), end them, and retry.';
+                    DETAIL = format('Nothing was raised; the stale sessions were signalled to terminate. Still running: %s.', coalesce(busy, 'none')),
+                    HINT = 'A backend busy inside a call that ignores termination (such as an XPath evaluation) exits when that call returns (this raise never commits before it has): retry once it has exited, and the raise succeeds. pg_cancel_backend does not stop such a call either; killing the backend process (SIGKILL) ends it at once but restarts the whole server.';
             END IF;
             PERFORM pg_sleep(0.001);
         END LOOP;
