@@ -63,6 +63,8 @@ type ProxyOptions struct {
 	Logger *zap.Logger
 	// Registerer receives the proxy's leadership metrics (nil: none).
 	Registerer prometheus.Registerer
+	// LookupHost resolves the upstream's host names (nil: the system's resolver).
+	LookupHost func(ctx context.Context, host string) ([]string, error)
 }
 
 // StartProxy starts a proxy listening on a free loopback port in front of
@@ -93,7 +95,7 @@ func StartProxy(tb testing.TB, pg *Postgres, cfg proxy.Config, opts ...ProxyOpti
 		o.Registry = fence.NewRegistry()
 	}
 	m := proxy.NewMetrics(nil)
-	srv, err := proxy.New(cfg, proxy.Options{Logger: o.Logger, Registry: o.Registry, Admitter: o.Admitter, Metrics: m, Registerer: o.Registerer})
+	srv, err := proxy.New(cfg, proxy.Options{Logger: o.Logger, Registry: o.Registry, Admitter: o.Admitter, Metrics: m, Registerer: o.Registerer, LookupHost: o.LookupHost})
 	if err != nil {
 		ln.Close()
 		tb.Fatalf("testenv: proxy config: %v", err)
