@@ -375,6 +375,9 @@ func (s *Server) hostOrder(want string) []int {
 		case roleDown:
 			rank = 3
 		case roleUnknown:
+			if want == attrsAny {
+				rank = 0 // any: the configured order
+			}
 		default:
 			rank = fit(role)
 		}
@@ -443,7 +446,7 @@ func (s *Server) dialHost(ctx context.Context, h upstreamHost) (net.Conn, error)
 func (s *Server) dialUpstream(ctx context.Context, want string) (net.Conn, int, error) {
 	if s.firstRound != nil {
 		// Just started: the monitor's first reading of the hosts' roles, briefly.
-		t := time.NewTimer(s.cfg.ConnectTimeout)
+		t := time.NewTimer(min(s.cfg.ConnectTimeout, time.Second))
 		select {
 		case <-s.firstRound:
 		case <-t.C:
@@ -661,6 +664,12 @@ func (s *Server) checkHost(ctx context.Context, cfg *pgconn.Config, conn **pgcon
 	defer cancel()
 	if *conn == nil {
 		c, err := pgconn.ConnectConfig(ctx, cfg)
+		var pe *pgconn.PgError
+		if errors.As(err, &pe) && !strings.HasPrefix(pe.Code, "57P") {
+			// The server answers but refuses the role (pg_hba.conf, a password): reachable,
+			// its role unknown; its sessions' startups say it.
+			return roleUnknown, err.Error()
+		}
 		if err != nil {
 			return roleDown, err.Error()
 		}
@@ -725,10 +734,12 @@ func (s *Server) upstreamNotReady(ctx context.Context, want string) string {
 			}
 		}
 		reachable = reachable || role != roleDown
+		// A host whose role is not known (the monitor's role may not log in there) counts:
+		// its sessions' startups judge it.
 		fits := role != roleDown
 		switch want {
 		case attrsPrimary, attrsReadWrite:
-			fits = fits && role != roleStandby && (role == rolePrimary || !s.monitored.Load())
+			fits = fits && role != roleStandby
 		case attrsStandby:
 			fits = fits && role != rolePrimary
 		}
