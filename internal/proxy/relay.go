@@ -416,7 +416,8 @@ type pendingEnd struct {
 // admitted (the registry knows, or learns it by asking the database, or
 // within staleWait when it cannot ask), the raise ended the backend and the
 // client is told ZF001; otherwise it gets the server's own error, or one that
-// says the server closed the connection.
+// says the server went away (a crash, a shutdown, a failover: serverGone), with a hint
+// that says whether a raise may have done it.
 func (sess *session) explainServerEnd() {
 	sess.mu.Lock()
 	p := sess.pending
@@ -454,7 +455,11 @@ func (sess *session) explainServerEnd() {
 	}
 	resp := sess.serverFatal.Load()
 	host := sess.srv.cfg.upstream.hosts[max(sess.host, 0)]
-	if gone || sess.serverGone() {
+	// A raise ends a backend with pg_terminate_backend, whose FATAL 57P01 the backend sends
+	// before it exits: a connection that ended without a word was lost (a crash: an
+	// immediate shutdown sends a WARNING only; a cut network; a failover behind a virtual
+	// IP), not ended by a raise.
+	if gone || resp == nil || sess.serverGone() {
 		// A crash, a shutdown or a failover: no raise, and the client is told so.
 		if resp == nil {
 			resp = &pgproto3.ErrorResponse{Severity: wire.SeverityFatal, Code: wire.CodeConnectionFailure,
@@ -463,10 +468,6 @@ func (sess *session) explainServerEnd() {
 		resp.Hint = fmt.Sprintf("fenceproxy: the server went away; this was not a raise of resource %q (no higher token was admitted as far as the proxy knows). Reconnect: new sessions go to the writable primary. A transaction in flight may or may not have committed.", sess.cred.Resource)
 		sess.end(resp)
 		return
-	}
-	if resp == nil {
-		resp = &pgproto3.ErrorResponse{Severity: wire.SeverityFatal, Code: wire.CodeConnectionFailure,
-			Message: "fenceproxy: the server closed the connection"}
 	}
 	if settled {
 		resp.Hint = fmt.Sprintf("fenceproxy: not a raise of resource %q: the database stores no higher token than this session's; the server or an administrator ended the backend.", sess.cred.Resource)
