@@ -317,14 +317,12 @@ func roleName(r int32) string {
 // hostRole is what the proxy knows of one host.
 type hostRole struct {
 	role atomic.Int32
-	at   atomic.Int64 // unix nanoseconds of the last news
 	// why is the last failure, for messages (a string: no error value kept).
 	why atomic.Pointer[string]
 }
 
 func (r *hostRole) set(role int32, why string) {
 	r.role.Store(role)
-	r.at.Store(time.Now().UnixNano())
 	if why == "" {
 		r.why.Store(nil)
 	} else {
@@ -464,7 +462,9 @@ func (s *Server) dialUpstream(ctx context.Context, want string) (net.Conn, int, 
 			}
 			return conn, i, nil
 		}
-		s.roles[i].set(roleDown, err.Error())
+		if ctx.Err() == nil { // not the session's own timeout
+			s.roles[i].set(roleDown, err.Error())
+		}
 		if len(s.cfg.upstream.hosts) == 1 {
 			return nil, i, err
 		}
