@@ -713,6 +713,13 @@ func (s *Server) endSessionsOn(i int, why string) {
 // monitor, from its last reading; without it, by dialing the hosts and what their last
 // sessions reported.
 func (s *Server) upstreamNotReady(ctx context.Context, want string) string {
+	if s.firstRound != nil {
+		select {
+		case <-s.firstRound:
+		default:
+			return "the upstream hosts' roles are not read yet"
+		}
+	}
 	var seen []string
 	reachable := false
 	for _, i := range s.hostOrder(want) {

@@ -69,9 +69,12 @@ func TestMultiHostFirstHostDown(t *testing.T) {
 	if p := serverPort(t, c); p != pg.Port {
 		t.Fatalf("the session reached port %d, want the primary's %d", p, pg.Port)
 	}
-	if why := px.Server.NotReady(ctxT(t)); len(why) > 0 {
-		t.Fatalf("not ready with the second host the primary: %v", why)
-	}
+	eventually(t, "ready with the second host the primary", func() error {
+		if why := px.Server.NotReady(ctxT(t)); len(why) > 0 {
+			return fmt.Errorf("not ready: %v", why)
+		}
+		return nil
+	})
 }
 
 // TestMultiHostFirstHostStandby: with a hot standby first in --upstream, fenced sessions go
@@ -99,9 +102,12 @@ func TestMultiHostFirstHostStandby(t *testing.T) {
 			if p := serverPort(t, u); p != want {
 				t.Fatalf("unfenced session with target_session_attrs=%s reached port %d, want %d", attrs, p, want)
 			}
-			if why := px.Server.NotReady(ctxT(t)); len(why) > 0 {
-				t.Fatalf("not ready with a primary among the hosts: %v", why)
-			}
+			eventually(t, "ready with a primary among the hosts", func() error {
+				if why := px.Server.NotReady(ctxT(t)); len(why) > 0 {
+					return fmt.Errorf("not ready: %v", why)
+				}
+				return nil
+			})
 		})
 	}
 }
@@ -120,9 +126,14 @@ func TestReadyzNotReadyBeforeOnlyStandby(t *testing.T) {
 	})
 	passive := fencedProxy(t, pg, func(c *proxy.Config) { c.Upstream = upstream })
 
-	why := strings.Join(checked.Server.NotReady(ctxT(t)), "; ")
-	if !strings.Contains(why, "no writable primary") || !strings.Contains(why, fmt.Sprint(sb.Port)) {
-		t.Fatalf("in front of a standby: not ready %q, want no writable primary naming the standby", why)
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		why := strings.Join(checked.Server.NotReady(ctxT(t)), "; ")
+		if strings.Contains(why, "no writable primary") && strings.Contains(why, fmt.Sprint(sb.Port)) {
+			break
+		}
+		if why == "" || time.Now().After(deadline) {
+			t.Fatalf("in front of a standby: not ready %q, want no writable primary naming the standby", why)
+		}
 	}
 	for _, px := range []*testenv.Proxy{checked, passive} {
 		err := connectErr(px.FenceURL("app", "postgres", "billing", 7))
