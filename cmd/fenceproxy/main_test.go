@@ -325,6 +325,10 @@ func TestUsageErrors(t *testing.T) {
 	if err := os.WriteFile(badKey, []byte("zz\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
+	goodKey := filepath.Join(dir, "good.key")
+	if err := os.WriteFile(goodKey, []byte(strings.Repeat("ab", 32)+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
 	twice := filepath.Join(dir, "twice.json")
 	if err := os.WriteFile(twice, []byte(`{"key-file": "a", "key_file": "b"}`), 0o600); err != nil {
 		t.Fatal(err)
@@ -352,7 +356,8 @@ func TestUsageErrors(t *testing.T) {
 		{"bad unfenced", serve("--unfenced", "sometimes"), 2, "unfenced"},
 		{"upstream with a database", []string{"serve", "--upstream", "postgres://127.0.0.1:1/app"}, 1, "user and database come from each client"},
 		{"upstream without postgres://", []string{"serve", "--upstream", "127.0.0.1:5432"}, 1, "is not a postgres:// URL: write postgres://127.0.0.1:5432"},
-		{"upstream as keywords", []string{"serve", "--upstream", "host=db port=5432"}, 1, "is not a postgres:// URL: write postgres://HOST:PORT"},
+		{"upstream hosts without their ports", []string{"serve", "--upstream", "host=db1,db2 port=5432,5433,5434"}, 1, "3 ports for 2 hosts"},
+		{"upstream hosts without a control database", []string{"serve", "--upstream", "postgres://db1,db2/?target_session_attrs=read-write", "--resource", "billing", "--key-file", goodKey}, 1, "needs control-database"},
 		{"resource without a key file", serve("--resource", "billing"), 1, "key-file is required with resource"},
 		{"missing key file", serve("--resource", "billing", "--key-file", filepath.Join(dir, "missing.key")), 1, "missing.key"},
 		{"malformed key file", serve("--resource", "billing", "--key-file", badKey), 1, "not hex"},

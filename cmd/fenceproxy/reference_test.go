@@ -219,8 +219,11 @@ gets the ` + "`FATAL`" + ` again before the end, so that a frozen leader that wa
 
 Other SQLSTATEs the proxy sends: ` + "`53300`" + ` (more than ` + "`--max-clients`" + `), ` + "`54000`" + ` (a message above
 ` + "`--max-message-size`" + `), ` + "`57P01`" + ` (shutdown, or a backend the server ended when the proxy cannot
-tell it was a raise), ` + "`08006`" + `/` + "`08007`" + ` (the server went away; a statement cancelled at the end of
-the shutdown grace whose outcome is unknown), ` + "`08P01`" + ` (a malformed startup packet).
+tell it was a raise, or the server's own shutdown with a hint that it went away), ` + "`08006`" + `/` + "`08007`" + ` (the server went
+away: a crash, a lost connection or a failover, said so in the message and hint; a statement cancelled at the end of
+the shutdown grace whose outcome is unknown), ` + "`57P03`" + ` (the host of ` + "`--upstream`" + ` the session reached is a
+standby, or does not fit ` + "`target_session_attrs`" + `: retry, the proxy now tries another host first), ` + "`08P01`" + ` (a
+malformed startup packet).
 `)
 	return b.Bytes()
 }

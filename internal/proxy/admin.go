@@ -77,10 +77,12 @@ func (s *Server) NotReady(ctx context.Context) []string {
 	}
 	ctx, cancel := context.WithTimeout(ctx, readyTimeout)
 	defer cancel()
-	if c, err := s.dialUpstream(ctx); err != nil {
-		why = append(why, fmt.Sprintf("upstream unreachable: %v", err))
-	} else {
-		c.Close()
+	want := s.cfg.upstream.attrs
+	if len(s.conf().names) > 0 {
+		want = attrsPrimary // fenced sessions go to the primary whatever the attribute
+	}
+	if w := s.upstreamNotReady(ctx, want); w != "" {
+		why = append(why, w)
 	}
 	if s.control != nil && !s.listenSynced.Load() {
 		why = append(why, "control database listener not synced")

@@ -2,14 +2,9 @@ package proxy
 
 import (
 	"crypto/tls"
-	"crypto/x509"
 	"errors"
 	"fmt"
-	"net"
-	"net/url"
-	"os"
 	"slices"
-	"strconv"
 	"strings"
 	"time"
 
@@ -48,9 +43,14 @@ type Config struct {
 	// Listen is the client-facing address, HOST:PORT. Default 127.0.0.1:7432 (DefaultListen).
 	Listen string `help:"Address to accept clients on, HOST:PORT." default:"127.0.0.1:7432"`
 	// Upstream is the PostgreSQL server: postgres://HOST:PORT, or
-	// postgres:///?host=/socket/dir&port=5432 for a Unix socket. User and
-	// database come from each client's startup message, never from here.
-	Upstream string `help:"PostgreSQL server, postgres://HOST:PORT or postgres:///?host=/socket/dir&port=PORT (user and database come from each client)." required:""`
+	// postgres:///?host=/socket/dir&port=5432 for a Unix socket, or several hosts in libpq's
+	// multi-host syntax (postgres://h1:5432,h2:5432/?target_session_attrs=read-write, or
+	// host=h1,h2 port=5432 target_session_attrs=read-write). User and database come from
+	// each client's startup message, never from here.
+	Upstream string `help:"PostgreSQL server, postgres://HOST:PORT or postgres:///?host=/socket/dir&port=PORT; several hosts in libpq's syntax, postgres://H1:PORT,H2:PORT/?target_session_attrs=read-write or host=H1,H2 port=PORT target_session_attrs=... (fenced sessions go to the primary whatever the attribute; user and database come from each client)." required:""`
+	// UpstreamCheckInterval is how often the proxy reads each upstream host's role
+	// (pg_is_in_recovery) on the control database's role (0: 1 s).
+	UpstreamCheckInterval time.Duration `help:"How often the proxy reads each --upstream host's role (primary or standby) on the --control-database role: for /readyz, for the choice of host at a session start, and to end sessions on a primary that turned standby." name:"upstream-check-interval" default:"1s"`
 	// UpstreamSSLMode is disable (default), require or verify-full.
 	UpstreamSSLMode string `help:"TLS to the server: disable, require, verify-full." name:"upstream-sslmode" default:"disable" enum:"disable,require,verify-full"`
 	// UpstreamSSLRootCert is the CA file for verify-full (nil: system roots).
@@ -183,18 +183,12 @@ type Resource struct {
 // the tokens clients bring, and any client of the proxy may raise the resource's token.
 const AuthorityBare = "bare"
 
-// upstreamAddr is where and how to dial the server.
-type upstreamAddr struct {
-	network, address string
-	tls              *tls.Config
-}
-
 // settings is the validated, defaulted form of Config.
 type settings struct {
 	Config
 	resources []Resource
 	names     []string
-	upstream  upstreamAddr
+	upstream  upstreamSet
 	clientTLS *tls.Config
 	standbys  standby.Set
 }
@@ -217,6 +211,7 @@ func (c Config) validate() (*settings, error) {
 		{"consul-start-timeout", c.ConsulStartTimeout < 0, c.ConsulStartTimeout},
 		{"consul-answer-timeout", c.ConsulAnswerTimeout < 0, c.ConsulAnswerTimeout},
 		{"standby-flush-timeout", c.StandbyFlushTimeout < 0, c.StandbyFlushTimeout},
+		{"upstream-check-interval", c.UpstreamCheckInterval < 0, c.UpstreamCheckInterval},
 	} {
 		if n.negative {
 			return nil, fmt.Errorf("%s %v: must not be negative", n.name, n.value)
@@ -314,6 +309,12 @@ func (c Config) validate() (*settings, error) {
 	if s.upstream, err = parseUpstream(s.Upstream, s.UpstreamSSLMode, s.UpstreamSSLRootCert); err != nil {
 		return nil, err
 	}
+	if len(s.upstream.hosts) > 1 && len(s.resources) > 0 && s.ControlDatabase == "" {
+		return nil, fmt.Errorf("upstream lists %d hosts: that needs control-database (a URL of a database on them, with a role that may connect to every host): the proxy reads there which host is the writable primary before a fenced session starts, since it cannot replay a client's authentication on another host", len(s.upstream.hosts))
+	}
+	if s.UpstreamCheckInterval <= 0 {
+		s.UpstreamCheckInterval = time.Second
+	}
 	if (s.TLSCert == "") != (s.TLSKey == "") {
 		return nil, errors.New("tls-cert and tls-key go together")
 	}
@@ -395,77 +396,4 @@ func (l *live) authority(resource string) string {
 		}
 	}
 	return ""
-}
-
-func parseUpstream(raw, sslmode, rootCert string) (upstreamAddr, error) {
-	var a upstreamAddr
-	if raw == "" {
-		return a, errors.New("upstream is required (postgres://HOST:PORT)")
-	}
-	if !strings.HasPrefix(raw, "postgres://") && !strings.HasPrefix(raw, "postgresql://") {
-		// A bare HOST:PORT, or a keyword/value string, is no URL: url.Parse's own words
-		// ("first path segment in URL cannot contain colon") do not say what to write.
-		example := "postgres://HOST:PORT"
-		if h, p, err := net.SplitHostPort(raw); err == nil {
-			example = "postgres://" + net.JoinHostPort(h, p)
-		}
-		return a, fmt.Errorf("upstream %q is not a postgres:// URL: write %s (or postgres:///?host=/socket/dir&port=5432 for a Unix socket)", raw, example)
-	}
-	u, err := url.Parse(raw)
-	if err != nil {
-		return a, fmt.Errorf("upstream %q is not a valid URL (%w): write postgres://HOST:PORT", raw, err)
-	}
-	if u.User != nil || (u.Path != "" && u.Path != "/") {
-		return a, fmt.Errorf("upstream %q: user and database come from each client; give only host and port", raw)
-	}
-	q := u.Query()
-	host, port := u.Hostname(), u.Port()
-	if h := q.Get("host"); h != "" {
-		host = h
-	}
-	if p := q.Get("port"); p != "" {
-		port = p
-	}
-	if port == "" {
-		port = "5432"
-	}
-	if _, err := strconv.ParseUint(port, 10, 16); err != nil {
-		return a, fmt.Errorf("upstream %q: bad port %q", raw, port)
-	}
-	if m := q.Get("sslmode"); m != "" && sslmode == "" {
-		sslmode = m
-	}
-	if strings.HasPrefix(host, "/") {
-		a.network = "unix"
-		a.address = fmt.Sprintf("%s/.s.PGSQL.%s", host, port)
-		if sslmode != "" && sslmode != "disable" {
-			return a, errors.New("upstream: TLS over a Unix socket is not supported; use sslmode=disable")
-		}
-		return a, nil
-	}
-	if host == "" {
-		host = "127.0.0.1"
-	}
-	a.network, a.address = "tcp", net.JoinHostPort(host, port)
-	switch sslmode {
-	case "", "disable":
-	case "require":
-		a.tls = &tls.Config{InsecureSkipVerify: true, MinVersion: tls.VersionTLS12} //nolint:gosec // sslmode=require means encryption without verification, as in libpq
-	case "verify-full":
-		a.tls = &tls.Config{ServerName: host, MinVersion: tls.VersionTLS12}
-		if rootCert != "" {
-			pem, err := os.ReadFile(rootCert)
-			if err != nil {
-				return a, fmt.Errorf("upstream CA: %w", err)
-			}
-			pool := x509.NewCertPool()
-			if !pool.AppendCertsFromPEM(pem) {
-				return a, fmt.Errorf("upstream CA %s: no certificate found", rootCert)
-			}
-			a.tls.RootCAs = pool
-		}
-	default:
-		return a, fmt.Errorf("upstream sslmode %q: use disable, require or verify-full", sslmode)
-	}
-	return a, nil
 }

@@ -59,6 +59,7 @@ func (s *Server) Reload(cfg Config) (applied, skipped []string, err error) {
 	restart("tls-cert/tls-key", n.TLSCert != old.TLSCert || n.TLSKey != old.TLSKey)
 	restart("max-message-size", n.MaxMessageSize != old.MaxMessageSize)
 	restart("connect-timeout", n.ConnectTimeout != old.ConnectTimeout)
+	restart("upstream-check-interval", n.UpstreamCheckInterval != old.UpstreamCheckInterval)
 	restart("control-database", n.ControlDatabase != old.ControlDatabase)
 	restart("key-file", n.KeyFile != old.KeyFile || !slices.Equal(n.Key, old.Key))
 	restart("metrics-listen", n.MetricsListen != old.MetricsListen || n.DebugPprof != old.DebugPprof ||

@@ -407,7 +407,8 @@ type pendingEnd struct {
 // admitted (the registry knows, or learns it by asking the database, or
 // within staleWait when it cannot ask), the raise ended the backend and the
 // client is told ZF001; otherwise it gets the server's own error, or one that
-// says the server closed the connection.
+// says the server went away (a crash, a shutdown, a failover: serverGone), with a hint
+// that says whether a raise may have done it.
 func (sess *session) explainServerEnd() {
 	sess.mu.Lock()
 	p := sess.pending
@@ -421,13 +422,16 @@ func (sess *session) explainServerEnd() {
 	// A server FATAL other than 57P01 was relayed already (08P01, 25P03...):
 	// the end was the server's own, not a raise's, and said so.
 	said := sess.serverFatal.Load() == nil && sess.serverSaid.Load()
-	if !sess.stale.Load() && !said && !sess.askSettled() {
-		t := time.NewTimer(sess.srv.cfg.StaleWait)
-		select {
-		case <-sess.staleCh:
-		case <-t.C:
+	settled, gone := false, false
+	if !sess.stale.Load() && !said {
+		if settled, gone = sess.askSettled(); !settled {
+			t := time.NewTimer(sess.srv.cfg.StaleWait)
+			select {
+			case <-sess.staleCh:
+			case <-t.C:
+			}
+			t.Stop()
 		}
-		t.Stop()
 	}
 	if sess.stale.Load() {
 		sess.endFencing(sess.endedError(false), false)
@@ -441,12 +445,49 @@ func (sess *session) explainServerEnd() {
 		return
 	}
 	resp := sess.serverFatal.Load()
-	if resp == nil {
-		resp = &pgproto3.ErrorResponse{Severity: wire.SeverityFatal, Code: wire.CodeConnectionFailure,
-			Message: "fenceproxy: the server closed the connection"}
+	host := sess.srv.cfg.upstream.hosts[max(sess.host, 0)]
+	// A raise ends a backend with pg_terminate_backend, whose FATAL 57P01 the backend sends
+	// before it exits: a connection that ended without a word was lost (a crash: an
+	// immediate shutdown sends a WARNING only; a cut network; a failover behind a virtual
+	// IP), not ended by a raise.
+	if gone || resp == nil || sess.serverGone() {
+		// A crash, a shutdown or a failover: no raise, and the client is told so.
+		if resp == nil {
+			resp = &pgproto3.ErrorResponse{Severity: wire.SeverityFatal, Code: wire.CodeConnectionFailure,
+				Message: fmt.Sprintf("fenceproxy: the server at %s went away: the connection to it was lost (a crash, a shutdown or a failover)", host)}
+		}
+		resp.Hint = fmt.Sprintf("fenceproxy: the server went away; this was not a raise of resource %q (no higher token was admitted as far as the proxy knows). Reconnect: new sessions go to the writable primary. A transaction in flight may or may not have committed.", sess.cred.Resource)
+		sess.end(resp)
+		return
 	}
-	resp.Hint = fmt.Sprintf("fenceproxy: a raise of resource %q ends the sessions of lower tokens this way; if this process may have lost its lock, stop writing and acquire it again.", sess.cred.Resource)
+	if settled {
+		resp.Hint = fmt.Sprintf("fenceproxy: not a raise of resource %q: the database stores no higher token than this session's; the server or an administrator ended the backend.", sess.cred.Resource)
+	} else {
+		resp.Hint = fmt.Sprintf("fenceproxy: a raise of resource %q ends the sessions of lower tokens this way; if this process may have lost its lock, stop writing and acquire it again.", sess.cred.Resource)
+	}
 	sess.end(resp)
+}
+
+// serverGone reports whether the session's server is gone: the host's role as last learned
+// (the monitor's reading, or a failed dial) says it is unreachable or no primary now, or it
+// does not accept a connection now.
+func (sess *session) serverGone() bool {
+	s := sess.srv
+	if sess.host < 0 {
+		return false
+	}
+	r := &s.roles[sess.host]
+	if role := r.role.Load(); role == roleDown || role == roleStandby && sess.mode == modeFenced {
+		return true
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	c, err := s.dialHost(ctx, s.cfg.upstream.hosts[sess.host])
+	if err != nil {
+		return true
+	}
+	c.Close()
+	return false
 }
 
 // askSettled asks the database, on the control connection, for the session's
@@ -457,18 +498,20 @@ func (sess *session) explainServerEnd() {
 // asked because it is shutting down or refuses connections (no raise can
 // commit then either); not when the proxy cannot ask (no control database for
 // the session's database, or another failure, such as a database without
-// fence.settled), and explainServerEnd waits for the registry instead.
-func (sess *session) askSettled() bool {
+// fence.settled), and explainServerEnd waits for the registry instead. gone says that the
+// server is going away (a shutdown or a crash, not a raise).
+func (sess *session) askSettled() (settled, gone bool) {
 	srv := sess.srv
 	if srv.control == nil || sess.database != srv.controlDB {
-		return false
+		return false, false
 	}
 	// The raise's own wait is bounded by 5 s (fence.end_stale); a slower
 	// answer means the control database is in trouble too.
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	// On a new connection if the pooled one was ended (CI saw two idle connections
-	// ended, and both asked): onControl.
+	// ended, and both asked): onControl. Only the answer of a new connection can say
+	// that the server itself is going away.
 	var stored int64
 	err := onControl(ctx, srv.control, func(conn *pgx.Conn) error {
 		var err error
@@ -478,14 +521,14 @@ func (sess *session) askSettled() bool {
 	if err == nil {
 		sess.log.Debug("asked whether a raise ended the session", zap.Int64("stored", stored))
 		srv.reg.Observe(sess.database, sess.cred.Resource, stored)
-		return true
+		return true, false
 	}
 	if goingAway(err) {
 		sess.log.Warn("the server is going away: the session's end was not a raise's", zap.Error(err))
-		return true
+		return true, true
 	}
 	sess.log.Warn("could not ask the control database whether a raise ended the session", zap.Error(err))
-	return false
+	return false, false
 }
 
 // goingAway reports whether err says the server is shutting down or refuses

@@ -63,6 +63,9 @@ type Options struct {
 	// needs a restart. Nil: RELOAD is refused (a program embedding the proxy has no
 	// configuration to read again).
 	Reload func() (applied, skipped []string, err error)
+	// LookupHost resolves the names of --upstream's hosts, at every session start (nil: the
+	// system's resolver). Tests and programs that embed the proxy set it.
+	LookupHost func(ctx context.Context, host string) ([]string, error)
 }
 
 // Server is a running proxy.
@@ -99,6 +102,17 @@ type Server struct {
 	consoles   map[*session]struct{} // admin console connections, closed at shutdown
 	draining   atomic.Bool
 	wg         sync.WaitGroup
+
+	// roles is what the proxy knows of each host of --upstream (upstream.go), in order.
+	roles []hostRole
+	// monitored is true once monitorHosts has read the hosts' roles (it runs with a control
+	// database).
+	monitored atomic.Bool
+	// firstRound is closed once monitorHosts has read every host once (nil: no monitor).
+	firstRound     chan struct{}
+	firstRoundOnce sync.Once
+	// resolve resolves host names at each dial (nil: the system's resolver).
+	resolve func(ctx context.Context, host string) ([]string, error)
 }
 
 // New validates cfg and returns a Server.
@@ -118,6 +132,8 @@ func New(cfg Config, opts Options) (*Server, error) {
 		ready:    make(chan struct{}),
 		version:  opts.Version,
 		reload:   opts.Reload,
+		roles:    make([]hostRole, len(s.upstream.hosts)),
+		resolve:  opts.LookupHost,
 	}
 	srv.pause.init()
 	srv.live.Store(newLive(s))
@@ -146,6 +162,7 @@ func New(cfg Config, opts Options) (*Server, error) {
 		if srv.control, err = pgxpool.NewWithConfig(context.Background(), pc); err != nil {
 			return nil, fmt.Errorf("proxy: control database: %w", err)
 		}
+		srv.firstRound = make(chan struct{})
 	}
 	return srv, nil
 }
@@ -186,8 +203,13 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 				Changed: s.metrics.upstreamChange,
 			})
 		}()
-		defer func() { stopListening(); <-listening }()
 		go s.warnShadowed(listenCtx)
+		monitoring := make(chan struct{})
+		go func() {
+			defer close(monitoring)
+			s.monitorHosts(listenCtx)
+		}()
+		defer func() { stopListening(); <-listening; <-monitoring }()
 	} else {
 		s.markReady()
 	}
@@ -274,24 +296,8 @@ func (s *Server) track(sess *session, add bool) {
 	}
 }
 
-// dialUpstream connects to the server and, when configured, negotiates TLS.
-func (s *Server) dialUpstream(ctx context.Context) (net.Conn, error) {
-	ctx, cancel := context.WithTimeout(ctx, s.cfg.ConnectTimeout)
-	defer cancel()
-	var d net.Dialer
-	conn, err := d.DialContext(ctx, s.cfg.upstream.network, s.cfg.upstream.address)
-	if err != nil {
-		return nil, err
-	}
-	if s.cfg.upstream.network == "tcp" {
-		if tc, ok := conn.(*net.TCPConn); ok {
-			tc.SetNoDelay(true)   //nolint:errcheck // best effort
-			tc.SetKeepAlive(true) //nolint:errcheck
-		}
-	}
-	if s.cfg.upstream.tls == nil {
-		return conn, nil
-	}
+// upstreamTLS negotiates TLS on conn (SSLRequest, then the handshake).
+func upstreamTLS(ctx context.Context, conn net.Conn, cfg *tls.Config) (net.Conn, error) {
 	stop := context.AfterFunc(ctx, func() { conn.SetDeadline(time.Now()) }) //nolint:errcheck
 	defer stop()
 	req := (&wire.Startup{Kind: wire.KindSSLRequest}).Encode(nil)
@@ -308,7 +314,7 @@ func (s *Server) dialUpstream(ctx context.Context) (net.Conn, error) {
 		conn.Close()
 		return nil, fmt.Errorf("server refused TLS (answered %q) but upstream sslmode requires it", b[0])
 	}
-	tc := tls.Client(conn, s.cfg.upstream.tls)
+	tc := tls.Client(conn, cfg)
 	if err := tc.HandshakeContext(ctx); err != nil {
 		conn.Close()
 		return nil, fmt.Errorf("TLS to server: %w", err)
@@ -320,7 +326,24 @@ func (s *Server) dialUpstream(ctx context.Context) (net.Conn, error) {
 // forwardCancel relays a CancelRequest to the server and waits until the
 // server has closed its side, so that the client learns nothing is pending.
 func (s *Server) forwardCancel(ctx context.Context, req *wire.Startup) error {
-	up, err := s.dialUpstream(ctx)
+	// The host of the session whose key it is; a session still starting is not tracked
+	// yet: every host then (another host's backend has another secret key).
+	hosts := []int{s.hostOf(req.ProcessID, req.SecretKey)}
+	if hosts[0] < 0 {
+		hosts = hosts[:0]
+		for i := range s.cfg.upstream.hosts {
+			hosts = append(hosts, i)
+		}
+	}
+	var errs []error
+	for _, i := range hosts {
+		errs = append(errs, s.cancelOn(ctx, s.cfg.upstream.hosts[i], req))
+	}
+	return errors.Join(errs...)
+}
+
+func (s *Server) cancelOn(ctx context.Context, h upstreamHost, req *wire.Startup) error {
+	up, err := s.dialHost(ctx, h)
 	if err != nil {
 		return err
 	}

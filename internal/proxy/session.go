@@ -58,6 +58,12 @@ type session struct {
 	user    string    // the startup message's user
 	console bool      // an admin console connection (console.go), not relayed
 
+	// host is the index of the --upstream host the session reached (upstream.go);
+	// hotStandby and readOnlyDefault are what its startup reported (in_hot_standby,
+	// default_transaction_read_only; "" when not reported).
+	host                        int
+	hotStandby, readOnlyDefault string
+
 	cred          fence.Credentials
 	mode          sessionMode
 	database      string // the database the session connects to (the registry's key, the proof's)
@@ -363,7 +369,8 @@ func (sess *session) login(ctx context.Context, clients int64) error {
 // (relayAuth: a fenced session is bound before its ReadyForQuery). br is the client's reader.
 func (sess *session) authenticate(ctx context.Context, br *bufio.Reader, st *wire.Startup) error {
 	s := sess.srv
-	up, err := s.dialUpstream(ctx)
+	up, host, err := s.dialUpstream(ctx, s.wantOf(sess.mode == modeFenced))
+	sess.host = host
 	if err != nil {
 		return fatalf(wire.CodeConnectionFailure, "fenceproxy could not connect to the server: %v", err)
 	}
@@ -534,12 +541,18 @@ func (sess *session) relayAuth(ctx context.Context) error {
 			// kept slice told psycopg 3 'T' on the Consul path, and it
 			// skipped its first BEGIN).
 			status := body[0]
+			if err := sess.checkRole(); err != nil {
+				return err
+			}
 			if err := sess.bind(ctx); err != nil {
 				return err
 			}
 			sess.status = status
 			return sess.toClient(typ, []byte{status}, true)
 		default: // NegotiateProtocolVersion, NoticeResponse, ...
+			if typ == 'S' {
+				sess.noteParameter(body)
+			}
 			if err := sess.toClient(typ, body, false); err != nil {
 				return err
 			}
@@ -802,6 +815,9 @@ func (sess *session) bound(ctx context.Context, row [][]byte, serverErr *pgproto
 				Message: serverErr.Message, Detail: serverErr.Detail, Hint: serverErr.Hint}}
 		}
 		switch serverErr.Code {
+		case "25006": // read_only_sql_transaction: BEGIN READ WRITE on a standby (a server before 14 does not report in_hot_standby)
+			return fatalf(wire.CodeCannotConnectNow, "fenceproxy: the server at %s is in recovery (a standby): a fenced session needs the writable primary (%s)",
+				sess.srv.cfg.upstream.hosts[max(sess.host, 0)], serverErr.Message)
 		case "42883", "3F000", "42P01", "42501": // undefined function, schema or table; no privilege
 			return fatalf(fence.CodeUnavailable, "fenceproxy could not bind the session to fencing token %d of resource %q: %s (SQLSTATE %s); this fenceproxy needs fence schema version %d in this database (run fenceproxy migrate), and this role must be allowed to execute the fence schema's functions",
 				c.Token, c.Resource, serverErr.Message, serverErr.Code, fence.SchemaVersion)

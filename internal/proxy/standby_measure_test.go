@@ -22,13 +22,7 @@ import (
 //
 //	FENCEPROXY_MEASURE=1 go test -run TestMeasureSessionStartStandbys -count=1 -v ./internal/proxy/
 func TestMeasureSessionStartStandbys(t *testing.T) {
-	if os.Getenv("FENCEPROXY_MEASURE") == "" {
-		t.Skip("a measurement, not a test: set FENCEPROXY_MEASURE=1")
-	}
-	rounds, perRound := 7, 40
-	if n, err := strconv.Atoi(os.Getenv("FENCEPROXY_MEASURE_ROUNDS")); err == nil && n > 0 {
-		rounds = n
-	}
+	rounds, perRound := measureRounds(t, 7), 40
 	type setup struct {
 		name string
 		px   *testenv.Proxy
@@ -79,12 +73,29 @@ func TestMeasureSessionStartStandbys(t *testing.T) {
 	}
 	for _, s := range setups {
 		for _, kind := range []string{"raise", "current token"} {
-			d := s.d[kind]
-			slices.Sort(d)
-			fmt.Printf("%-40s %-14s median %v  p90 %v  (n=%d)\n", s.name, kind,
-				d[len(d)/2].Round(10*time.Microsecond), d[len(d)*9/10].Round(10*time.Microsecond), len(d))
+			med, p90 := medianP90(s.d[kind])
+			fmt.Printf("%-40s %-14s median %v  p90 %v  (n=%d)\n", s.name, kind, med, p90, len(s.d[kind]))
 		}
 	}
+}
+
+// measureRounds skips t unless FENCEPROXY_MEASURE is set (a measurement, not a test), and
+// returns how many rounds to run: FENCEPROXY_MEASURE_ROUNDS, else def.
+func measureRounds(t *testing.T, def int) int {
+	t.Helper()
+	if os.Getenv("FENCEPROXY_MEASURE") == "" {
+		t.Skip("a measurement, not a test: set FENCEPROXY_MEASURE=1")
+	}
+	if n, err := strconv.Atoi(os.Getenv("FENCEPROXY_MEASURE_ROUNDS")); err == nil && n > 0 {
+		return n
+	}
+	return def
+}
+
+// medianP90 sorts d and returns its median and 90th percentile, rounded to 10 µs.
+func medianP90(d []time.Duration) (median, p90 time.Duration) {
+	slices.Sort(d)
+	return d[len(d)/2].Round(10 * time.Microsecond), d[len(d)*9/10].Round(10 * time.Microsecond)
 }
 
 // makeSynchronous names standby in the primary's synchronous_standby_names (ALTER SYSTEM,

@@ -65,6 +65,8 @@ type ProxyOptions struct {
 	Registerer prometheus.Registerer
 	// Reload is the admin console's RELOAD (proxy.Options.Reload; nil: refused).
 	Reload func() (applied, skipped []string, err error)
+	// LookupHost resolves the upstream's host names (nil: the system's resolver).
+	LookupHost func(ctx context.Context, host string) ([]string, error)
 }
 
 // StartProxy starts a proxy listening on a free loopback port in front of
@@ -95,7 +97,7 @@ func StartProxy(tb testing.TB, pg *Postgres, cfg proxy.Config, opts ...ProxyOpti
 		o.Registry = fence.NewRegistry()
 	}
 	m := proxy.NewMetrics(nil)
-	srv, err := proxy.New(cfg, proxy.Options{Logger: o.Logger, Registry: o.Registry, Admitter: o.Admitter, Metrics: m, Registerer: o.Registerer, Reload: o.Reload})
+	srv, err := proxy.New(cfg, proxy.Options{Logger: o.Logger, Registry: o.Registry, Admitter: o.Admitter, Metrics: m, Registerer: o.Registerer, Reload: o.Reload, LookupHost: o.LookupHost})
 	if err != nil {
 		ln.Close()
 		tb.Fatalf("testenv: proxy config: %v", err)
