@@ -61,7 +61,7 @@ func TestExampleConfig(t *testing.T) {
 		}
 	}
 	for _, f := range flags {
-		if f.Hidden || f.Name == "help" || f.Name == "config" {
+		if f.Hidden || f.Name == "help" || f.Name == "config" || f.Name == "version" { // actions, not settings
 			continue
 		}
 		if _, ok := keys[f.Name]; !ok {
