@@ -258,15 +258,19 @@ func (sess *session) end(resp *pgproto3.ErrorResponse) {
 	})
 }
 
-// endFencing ends a session with a fencing error, as PostgreSQL ends a
-// terminated backend's session: with the error as a FATAL and then the end of
-// the connection. A client that waits for answers (units in flight, or
-// answering: the unit it just sent) gets the FATAL now and then the end (no
-// ReadyForQuery: drivers take the connection for gone, psycopg's closed, pgx's
-// IsClosed). An idle client is told at once with a FATAL too, which drivers
-// that read while idle (LISTEN) see, and the connection waits (StaleLinger) for
-// its next message, which answerEnded answers with the FATAL again before the
-// end: a frozen leader that wakes reads the SQLSTATE.
+// endFencing ends a session with a fencing error. Each unit the client waits
+// for (units in flight) gets the error as an ERROR and a ReadyForQuery, as a
+// server that refused it would: the driver's own call fails with the SQLSTATE
+// (libpq's PQexec keeps the last result of a unit, and a FATAL followed by the
+// end of the connection would leave it "server closed the connection
+// unexpectedly" without one). Then the end follows as PostgreSQL ends a
+// terminated backend's session: the error as a FATAL, then the end of the
+// connection, which drivers read at their next call. An idle client is told
+// at once with the FATAL, which drivers that read while idle (LISTEN) see,
+// and the connection waits (StaleLinger) for its next unit, which answerEnded
+// answers with the error: a frozen leader that wakes reads the SQLSTATE. A
+// unit the client is sending (answering: a refused message) is answered by
+// answerEnded too, followed by the FATAL and the end.
 func (sess *session) endFencing(fe *fence.Error, answering bool) {
 	sess.recall()
 	sess.endOnce.Do(func() {
@@ -301,8 +305,20 @@ func (sess *session) endFencing(fe *fence.Error, answering bool) {
 		sess.srv.lead.endedSession(sess.cred.Resource, sess.cred.Token, fe)
 		sess.log.Info("session ended with a fencing error", zap.String("sqlstate", fe.Code), zap.String("reason", fe.Message),
 			zap.Int("in_flight", waiting), zap.Bool("answering", answering))
-		resp := fe.Response(wire.SeverityFatal)
-		err := wire.WriteMessage(sess.cw, 'E', wire.AppendError(nil, resp)[5:])
+		resp := fe.Response(wire.SeverityError)
+		fatal := wire.AppendError(nil, fe.Response(wire.SeverityFatal))[5:]
+		var err error
+		switch {
+		case waiting > 0:
+			body := wire.AppendError(nil, resp)[5:]
+			for range waiting {
+				err = errors.Join(err, wire.WriteMessage(sess.cw, 'E', body), wire.WriteMessage(sess.cw, 'Z', []byte{'I'}))
+			}
+			err = errors.Join(err, wire.WriteMessage(sess.cw, 'E', fatal))
+		case !answering:
+			err = wire.WriteMessage(sess.cw, 'E', fatal)
+			sess.told.Store(true)
+		}
 		err = errors.Join(err, sess.cw.Flush())
 		sess.cwMu.Unlock()
 		if err != nil {
@@ -313,10 +329,10 @@ func (sess *session) endFencing(fe *fence.Error, answering bool) {
 			return
 		}
 		sess.lingerResp.Store(resp)
-		if waiting > 0 || answering {
-			// The client reads its answer: the end follows the FATAL now, as
-			// PostgreSQL's; what the client still sends is read and dropped
-			// (answerEnded) until it closes, so that the close resets nothing.
+		if waiting > 0 {
+			// The client has its answers and the FATAL: the end follows now;
+			// what it still sends is read and dropped (answerEnded) until it
+			// closes, so that the close resets nothing.
 			sess.halfClose()
 			sess.finSent.Store(true)
 		}
@@ -324,24 +340,55 @@ func (sess *session) endFencing(fe *fence.Error, answering bool) {
 	})
 }
 
-// answerEnded answers the message (typ) the client sends after its session
-// ended with a fencing error, as PostgreSQL's end of a terminated session
-// would: with the error as a FATAL (again: a driver that read the first one
-// while idle took it for a notice), then the end of the connection (relay
-// drains what follows, so that the close resets nothing). A client that was
-// sent the end already (finSent) gets nothing more.
+// answerEnded answers, as a server that refuses it would, the unit the client
+// sends after its session ended with a fencing error, from its message typ on:
+// the error as an ERROR at its first message, then its ReadyForQuery at its
+// end (Query, Sync, FunctionCall; each answer gets its own second, as a
+// client may send its Sync long after the message that got the error); then,
+// unless the client was told so while idle, the FATAL; then the end of the
+// connection (relay drains what follows, so that the close resets nothing).
+// A client that was sent the end already (finSent) gets nothing more.
 func (sess *session) answerEnded(typ byte) error {
-	if typ == 'X' {
-		return io.EOF
+	if sess.finSent.Load() {
+		sess.draining.Store(true)
+		return errEnded
 	}
-	if !sess.finSent.Load() {
+	resp := sess.lingerResp.Load()
+	errSent := false
+	for {
 		sess.client.SetWriteDeadline(time.Now().Add(time.Second)) //nolint:errcheck
-		sess.writeClientError(sess.lingerResp.Load())             //nolint:errcheck // the connection closes anyway
-		sess.flushClient()                                        //nolint:errcheck
-		sess.halfClose()
+		switch typ {
+		case 'X':
+			return io.EOF
+		case 'Q', 'F', 'S':
+			if !errSent {
+				sess.writeClientError(resp) //nolint:errcheck // the connection closes anyway
+			}
+			sess.writeClient('Z', []byte{'I'}) //nolint:errcheck
+			if !sess.told.Load() {
+				fatal := *resp
+				fatal.Severity, fatal.SeverityUnlocalized = wire.SeverityFatal, wire.SeverityFatal
+				sess.writeClientError(&fatal) //nolint:errcheck
+			}
+			sess.flushClient() //nolint:errcheck
+			sess.halfClose()
+			sess.draining.Store(true)
+			return errEnded
+		case 'd', 'c', 'f':
+			// COPY data of a copy that ended with the session: its end is
+			// answered with the unit's ReadyForQuery.
+		default: // Parse, Bind, Describe, Execute, Close, Flush: the unit fails at its first
+			if !errSent {
+				sess.writeClientError(resp) //nolint:errcheck
+				sess.flushClient()          //nolint:errcheck
+				errSent = true
+			}
+		}
+		var err error
+		if typ, _, err = sess.cr.Next(); err != nil {
+			return err
+		}
 	}
-	sess.draining.Store(true)
-	return errEnded
 }
 
 // halfClose ends the proxy's side of the client connection, so that the

@@ -90,6 +90,7 @@ type session struct {
 	lingerResp   atomic.Pointer[pgproto3.ErrorResponse] // endFencing's error, for answerEnded (staleLinger)
 	draining     atomic.Bool                            // relay drains the client connection before it closes it
 	finSent      atomic.Bool                            // endFencing sent the client its FATAL and the end (no linger for an answer)
+	told         atomic.Bool                            // endFencing told the idle client with a FATAL (answerEnded's unit gets no second one)
 
 	// loop is the session's time in the event loop (loop_linux.go), nil if it had none;
 	// resume says that serverToClient starts with the rest of a message the loop relayed

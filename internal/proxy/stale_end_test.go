@@ -17,12 +17,14 @@ import (
 	"github.com/fenceproxy/fenceproxy/internal/proxy"
 )
 
-// A stale session ends as PostgreSQL ends a terminated backend's session: the error as a
-// FATAL, then the end of the connection, so that drivers take the connection for gone
-// (pgx's IsClosed, with ZF001; psycopg's closed and BAD, with the message), whether the
-// client waited for an answer then, wakes later inside the linger, or after it. The DETAIL
-// says whether a unit was in flight, and /status lists the end (phase "session") and counts
-// it.
+// A stale session's next call fails with ZF001 in the driver's own error type, whether the
+// client waited for an answer then or wakes later inside the linger: the unit gets the
+// error as an ERROR and its ReadyForQuery (libpq's PQexec keeps a unit's last result, and a
+// FATAL then the end would leave psycopg "consuming input failed" without a SQLSTATE), then
+// the end follows as PostgreSQL ends a terminated backend's session, a FATAL and the end of
+// the connection, which the driver's next call reads (pgx's IsClosed). A client that wakes
+// after the linger gets the FATAL it was sent while idle and the end. The DETAIL says
+// whether a unit was in flight, and /status lists the end (phase "session") and counts it.
 func TestStaleSessionEndsLikeTerminatedBackend(t *testing.T) {
 	pg, admin := fencedDB(t)
 	p := fencedProxy(t, pg, func(c *proxy.Config) { c.StaleLinger = 3 * time.Second })
@@ -71,9 +73,12 @@ func TestStaleSessionEndsLikeTerminatedBackend(t *testing.T) {
 		wantStale(t, err)
 		var pe *pgconn.PgError
 		errors.As(err, &pe)
-		if !strings.Contains(pe.Detail, "may have committed") {
-			t.Errorf("the detail does not say a statement was in flight: %q", pe.Detail)
+		if pe.Severity != "ERROR" || !strings.Contains(pe.Detail, "may have committed") {
+			t.Errorf("want an ERROR whose detail says a statement was in flight, got %s: %q", pe.Severity, pe.Detail)
 		}
+		// The FATAL and the end follow the unit's ReadyForQuery: the next call reads them.
+		_, err = stale.Exec(ctxT(t), "SELECT 1")
+		wantStale(t, err)
 		if !stale.IsClosed() {
 			t.Error("pgx: the connection is not closed after the FATAL")
 		}
@@ -92,18 +97,23 @@ func TestStaleSessionEndsLikeTerminatedBackend(t *testing.T) {
 	})
 
 	// psycopg 3: idle in a transaction, woken inside the linger and after it.
+	// Within the linger the COMMIT's answer is the error and its ReadyForQuery: the
+	// SQLSTATE. After it, the connection was closed: libpq reads the FATAL and the end
+	// in one PQconsumeInput and reports both as "consuming input failed" with the
+	// proxy's message and no SQLSTATE (docs/applications.md, Errors in your driver).
 	for _, tc := range []struct {
 		name  string
 		sleep time.Duration
-	}{{"psycopg COMMIT within the linger", 0}, {"psycopg COMMIT after the linger", 4 * time.Second}} {
+		want  []string
+	}{
+		{"psycopg COMMIT within the linger", 0, []string{"sqlstate=ZF001", "stale fencing token", "next: sqlstate=None closed=True"}},
+		{"psycopg COMMIT after the linger", 4 * time.Second, []string{"closed=True", "status=BAD", "stale fencing token"}},
+	} {
 		t.Run(tc.name, func(t *testing.T) {
 			raise(t)
 			libpq := p.URL("app", "postgres", "password=app", "options=-c fence.resource=billing -c fence.token="+strconv.FormatInt(token, 10))
 			out := runPsycopgStale(t, libpq, tc.sleep, func() { raise(t) })
-			// psycopg 3 reads the FATAL and the end in one PQconsumeInput, so libpq reports
-			// both as "consuming input failed" with the proxy's message and no SQLSTATE
-			// (docs/applications.md, Errors in your driver); the connection is gone.
-			for _, want := range []string{"closed=True", "status=BAD", "stale fencing token"} {
+			for _, want := range tc.want {
 				if !strings.Contains(out, want) {
 					t.Errorf("psycopg: want %s, got %q", want, out)
 				}
@@ -142,6 +152,11 @@ try:
     print("committed")
 except psycopg.Error as e:
     print("sqlstate=%s closed=%s status=%s error=%r" % (e.sqlstate, conn.closed, conn.info.status.name, str(e)))
+try:
+    conn.execute("SELECT 1")
+    print("next: ran")
+except psycopg.Error as e:
+    print("next: sqlstate=%s closed=%s error=%r" % (e.sqlstate, conn.closed, str(e)))
 `
 
 func runPsycopgStale(t *testing.T, url string, sleep time.Duration, raise func()) string {

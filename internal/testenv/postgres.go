@@ -48,6 +48,7 @@ const (
 
 	startTimeout = 60 * time.Second // initdb excluded; crash recovery under a loaded CI included
 	stopTimeout  = 30 * time.Second
+	crashWait    = 3 * time.Second // Crash's wait between SIGQUIT and SIGKILL
 	execTimeout  = 2 * time.Minute
 	portAttempts = 10
 )
@@ -462,9 +463,17 @@ func (p *Postgres) Kill(tb testing.TB) {
 	}
 }
 
-// Crash is Kill returning an error.
+// Crash is Kill returning an error. An immediate shutdown does not signal a "dead-end"
+// child (one forked for a connection that arrived during the shutdown), and the postmaster
+// waits for it: up to authentication_timeout (60 s) when the connection sends no startup
+// packet, as a standby's walreceiver does through a stalled relay (CutReplication). A crash
+// does not wait for its children, so neither does Crash: SIGKILL follows after crashWait,
+// and the children exit when they see the postmaster gone.
 func (p *Postgres) Crash() error {
-	if err := p.signal(syscall.SIGQUIT); err != nil {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	err := p.signalLocked(syscall.SIGQUIT, crashWait)
+	if err != nil && p.proc != nil {
 		return fmt.Errorf("kill PostgreSQL: %w", err)
 	}
 	return nil
