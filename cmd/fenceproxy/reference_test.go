@@ -209,12 +209,16 @@ says what to do; drivers expose the code as their own error type ([applications]
 	b.WriteString(`
 How a refusal reaches the client: a refusal by the proxy at startup is a ` + "`FATAL`" + ` and ends the
 session. A session ended because a higher token was admitted (` + "`ZF001`" + `), or whose resource is
-blocked (` + "`ZF006`" + `, ` + "`ZF007`" + `, at its next message), gets the error as a ` + "`FATAL`" + ` and then
-the end of the connection, as PostgreSQL ends a terminated backend's session (no ` + "`ReadyForQuery`" + `:
-drivers see the connection gone). An idle client is told at once with the ` + "`FATAL`" + `, and the proxy
-keeps its connection open (no FIN) for up to 5 minutes until it sends its next message, which
-gets the ` + "`FATAL`" + ` again before the end, so that a frozen leader that wakes still reads
-` + "`ZF001`" + ` ([what each driver shows](applications.md#errors-in-your-driver)). Errors of a client's own calls of ` + "`fence.*`" + ` functions (` + "`ZF004`" + `,
+blocked (` + "`ZF006`" + `, ` + "`ZF007`" + `, at its next message), gets the error as an ` + "`ERROR`" + ` and a
+` + "`ReadyForQuery`" + ` for each statement it waits for, as a server that refused the statement would,
+so that the driver's own call fails with the SQLSTATE (libpq keeps the last result of a call,
+and a ` + "`FATAL`" + ` followed by the end would leave it "server closed the connection unexpectedly"
+without one); then the session ends as PostgreSQL ends a terminated backend's: the error again
+as a ` + "`FATAL`" + `, and the end of the connection, which the driver reads at its next call. An idle
+client is told at once with the ` + "`FATAL`" + `, and the proxy keeps its connection open (no FIN) for
+up to 5 minutes until it sends its next statement, which gets the error and its
+` + "`ReadyForQuery`" + ` before the end, so that a frozen leader that wakes still reads ` + "`ZF001`" + `
+([what each driver shows](applications.md#errors-in-your-driver)). Errors of a client's own calls of ` + "`fence.*`" + ` functions (` + "`ZF004`" + `,
 ` + "`ZF007`" + `, ` + "`ZF008`" + `, ` + "`ZF010`" + `, ` + "`ZF011`" + `) are ordinary ` + "`ERROR`" + `s in a session that goes on.
 
 Other SQLSTATEs the proxy sends: ` + "`53300`" + ` (more than ` + "`--max-clients`" + `), ` + "`54000`" + ` (a message above
