@@ -309,8 +309,13 @@ func (g *Guard) Admit(ctx context.Context, c fence.Credentials) error {
 // of Consul tokens must agree (admitRecorded). It returns the Consul session that
 // holds the lock, which the session's bind records in its own database
 // (fence.ConsulBindQuery).
-// KeyOf is the Consul key the guard validates resource's tokens against ("" if none).
-func (g *Guard) KeyOf(resource string) string { return g.keys[resource] }
+// Authority names what the guard validates resource's tokens against ("": none), for hints.
+func (g *Guard) Authority(resource string) string {
+	if k, ok := g.keys[resource]; ok {
+		return fmt.Sprintf("Consul key %q", k)
+	}
+	return ""
+}
 
 func (g *Guard) AdmitHolder(ctx context.Context, c fence.Credentials) (string, error) {
 	key, ok := g.keys[c.Resource]

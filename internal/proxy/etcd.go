@@ -412,6 +412,32 @@ func (as Admitters) Judge(ctx context.Context, resource string, token int64, hol
 	return fence.Unavailable(resource, "no admitter validates the resource against Consul")
 }
 
+// Authority names what the guard validates resource's tokens against ("": none), for hints.
+func (g *EtcdGuard) Authority(resource string) string {
+	if p, ok := g.prefixes[resource]; ok {
+		return fmt.Sprintf("etcd election prefix %q", p)
+	}
+	return ""
+}
+
+// Authority implements the guards' Authority: the first Admitter's that names one.
+func (as Admitters) Authority(resource string) string {
+	for _, a := range as {
+		if n := authority(a, resource); n != "" {
+			return n
+		}
+	}
+	return ""
+}
+
+// authority is a's Authority for resource ("": a names none).
+func authority(a Admitter, resource string) string {
+	if n, ok := a.(interface{ Authority(string) string }); ok {
+		return n.Authority(resource)
+	}
+	return ""
+}
+
 func validates(a Admitter, resource string) bool {
 	v, ok := a.(interface{ Validates(string) bool })
 	return ok && v.Validates(resource)

@@ -438,10 +438,10 @@ func (sess *session) admit(ctx context.Context) error {
 	if errors.As(err, &f) {
 		switch f.resp.Code {
 		case fence.CodeStale, fence.CodeHolderMismatch, fence.CodeMissing:
-			// A leader that holds another key than the one this proxy validates sees it here.
-			if k, ok := sess.srv.admit.(interface{ KeyOf(string) string }); ok && k.KeyOf(sess.cred.Resource) != "" {
-				f.resp.Hint = strings.TrimSpace(f.resp.Hint + fmt.Sprintf(" This proxy validates resource %q against Consul key %q: a lock held on another key is not this resource's.",
-					sess.cred.Resource, k.KeyOf(sess.cred.Resource)))
+			// A leader that holds another lock than the one this proxy validates sees it here.
+			if a := authority(sess.srv.admit, sess.cred.Resource); a != "" {
+				f.resp.Hint = strings.TrimSpace(f.resp.Hint + fmt.Sprintf(" This proxy validates resource %q against %s: a lock held elsewhere is not this resource's.",
+					sess.cred.Resource, a))
 			}
 		}
 	}

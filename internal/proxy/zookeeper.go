@@ -290,6 +290,14 @@ func (g *ZooKeeperGuard) regression(res string) *fence.Error {
 	return g.regress[res]
 }
 
+// Authority names what the guard validates resource's tokens against ("": none), for hints.
+func (g *ZooKeeperGuard) Authority(resource string) string {
+	if d, ok := g.dirs[resource]; ok {
+		return fmt.Sprintf("ZooKeeper lock folder %q", d)
+	}
+	return ""
+}
+
 // Validates reports whether the guard checks resource's tokens (see session.admit): the
 // guard, not the registry's highest token, then decides, so that a regression is told as
 // such (ZF007) also to a token below the highest admitted one.
