@@ -111,4 +111,5 @@ psql -X -q -v ON_ERROR_STOP=1 -h 127.0.0.1 -p "$port" -U postgres -d "$db" \
 	-c "CREATE EXTENSION pgtap" -c "CREATE EXTENSION dblink"
 
 # shellcheck disable=SC2086 # PG_PROVE_FLAGS is a list of flags
-timeout 600 pg_prove -h 127.0.0.1 -p "$port" -U postgres -d "$db" ${PG_PROVE_FLAGS:-} test/sql/*.sql
+# SQL_TESTS: the files to run (default: every one).
+timeout 600 pg_prove -h 127.0.0.1 -p "$port" -U postgres -d "$db" ${PG_PROVE_FLAGS:-} ${SQL_TESTS:-test/sql/*.sql}

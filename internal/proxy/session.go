@@ -680,6 +680,7 @@ func (sess *session) bind(ctx context.Context) error {
 	var row [][]byte
 	var lsn string
 	var serverErr *pgproto3.ErrorResponse
+	var commitWarning *pgproto3.ErrorResponse // a WARNING of the COMMIT's: its wait for the synchronous standbys was cancelled (D3)
 	for ready := 0; ready < answers; {
 		typ, _, err := sess.sr.Next()
 		if err != nil {
@@ -714,6 +715,14 @@ func (sess *session) bind(ctx context.Context) error {
 			if serverErr == nil {
 				serverErr, _ = wire.DecodeError(body)
 			}
+		case 'N':
+			// PostgreSQL answers a cancel of a commit's wait for the synchronous standbys
+			// with a WARNING (01000) and the commit, visible here but maybe not there.
+			if ready == 2 && commitWarning == nil {
+				if n, err := wire.DecodeError(body); err == nil && n.SeverityUnlocalized == wire.SeverityWarning {
+					commitWarning = n
+				}
+			}
 		case 'S':
 			if err := sess.toClient(typ, body, false); err != nil {
 				return err
@@ -724,6 +733,14 @@ func (sess *session) bind(ctx context.Context) error {
 		// Notices and the other answers of our own statements are not the client's business.
 	}
 	err = sess.bound(ctx, row, serverErr)
+	if err == nil && commitWarning != nil {
+		// (D3 of docs/proof.md) The bind committed here, but nothing says the synchronous
+		// standbys have it, nor the raise it rests on: not admitted (fail closed).
+		sess.log.Warn("the bind's commit was not confirmed by the synchronous standbys", zap.String("warning", commitWarning.Message))
+		fe := fence.Unavailable(sess.cred.Resource, fmt.Sprintf("token %d is committed on the primary, but its wait for the synchronous standbys was cancelled (%s), so a failover could lose it", sess.cred.Token, commitWarning.Message))
+		fe.Hint = "The session is not started (fail closed). Retry: the next session's bind waits for the synchronous standbys again; if they do not stream, fix replication or synchronous_standby_names (docs/failover.md)."
+		err = fatalFence(fe)
+	}
 	if err == nil && !standbys.Empty() {
 		err = sess.waitStandbys(ctx, lsn)
 	}

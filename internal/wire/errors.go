@@ -4,10 +4,11 @@ import (
 	"github.com/jackc/pgx/v5/pgproto3"
 )
 
-// Severities of ErrorResponse.
+// Severities of ErrorResponse (and NoticeResponse: WARNING).
 const (
-	SeverityError = "ERROR"
-	SeverityFatal = "FATAL"
+	SeverityWarning = "WARNING"
+	SeverityError   = "ERROR"
+	SeverityFatal   = "FATAL"
 )
 
 // Standard SQLSTATEs the proxy itself reports.

@@ -6,7 +6,8 @@
 -- before the client sees ReadyForQuery. For a resource with a lease row it refuses, before
 -- anything is raised, a token no acquisition issued (ZF002) and the generation of a lease that
 -- expired or was released (ZF006) (L6). A bind that raises commits with synchronous_commit on
--- (D1); one that raises nothing does not wait for the WAL flush.
+-- (D1); one that raises nothing does not wait for the WAL flush, unless synchronous standbys
+-- are configured (D3).
 CREATE OR REPLACE FUNCTION fence.bind(resource text, token bigint, proof text)
 RETURNS bigint
 LANGUAGE plpgsql
@@ -86,7 +87,15 @@ BEGIN
             -- until commit): no need to wait for the WAL flush. Unless something earlier in
             -- this transaction must be durable (D1: fence.consul_admit's record, in the same
             -- statement as this bind); a raise commits with synchronous_commit on (D1).
-            IF current_setting('fence.commit_durably', true) IS DISTINCT FROM 'on' THEN
+            -- (D3) Nor with synchronous standbys: a raise whose wait for them was cancelled
+            -- (a client's or an administrator's cancel, the proxy's login timeout) is
+            -- committed here and visible, yet not on the standbys a failover promotes; this
+            -- bind then commits durably too, and its commit, after the raise's in the WAL,
+            -- returns only once the standbys have both (the proxy refuses a session whose
+            -- bind's commit wait was cancelled in turn: its WARNING).
+            IF current_setting('synchronous_standby_names') <> '' THEN
+                PERFORM fence.commit_durably();
+            ELSIF current_setting('fence.commit_durably', true) IS DISTINCT FROM 'on' THEN
                 PERFORM set_config('synchronous_commit', 'off', true);
             END IF;
         END IF;

@@ -6,7 +6,7 @@
 \ir _psql.psql
 
 BEGIN;
-SELECT plan(16);
+SELECT plan(18);
 \ir _helpers.psql
 
 SELECT pg_temp.store_key() \g /dev/null
@@ -35,6 +35,35 @@ SELECT dblink_exec('s', 'BEGIN') \g /dev/null
 SELECT is(pg_temp.bind('s', 'tap-durable', 5), 5::bigint, 'a bind of the stored token raises nothing');
 SELECT is(pg_temp.remote('s', 'SHOW synchronous_commit'), 'off', '... and commits without waiting for the flush');
 SELECT dblink_exec('s', 'ROLLBACK') \g /dev/null
+
+-- (D3) With synchronous standbys configured, a bind that raises nothing commits durably too:
+-- its commit waits for them, and so for a raise before it whose own wait was cancelled. The
+-- standby named here does not exist: the bind's transaction is rolled back, never committed.
+SELECT dblink_exec('adm', $$ALTER SYSTEM SET synchronous_standby_names = 'fence_tap_no_such_standby'$$) \g /dev/null
+SELECT pg_reload_conf() \g /dev/null
+SELECT pg_temp.connect('s', 'tap_durable') \g /dev/null
+DO $$
+BEGIN
+    FOR i IN 1..500 LOOP
+        EXIT WHEN pg_temp.remote('s', 'SHOW synchronous_standby_names') = 'fence_tap_no_such_standby';
+        PERFORM pg_sleep(0.01);
+    END LOOP;
+END
+$$;
+SELECT dblink_exec('s', 'BEGIN') \g /dev/null
+SELECT is(pg_temp.bind('s', 'tap-durable', 5), 5::bigint, 'with synchronous standbys, a bind of the stored token raises nothing');
+SELECT is(pg_temp.remote('s', 'SHOW synchronous_commit'), 'on', '... and commits with synchronous_commit on all the same, waiting for them (D3)');
+SELECT dblink_exec('s', 'ROLLBACK') \g /dev/null
+SELECT dblink_exec('adm', 'ALTER SYSTEM RESET synchronous_standby_names') \g /dev/null
+SELECT pg_reload_conf() \g /dev/null
+DO $$
+BEGIN
+    FOR i IN 1..500 LOOP
+        EXIT WHEN pg_temp.remote('s', 'SHOW synchronous_standby_names') = '';
+        PERFORM pg_sleep(0.01);
+    END LOOP;
+END
+$$;
 
 -- The client's startup options (what a proxy passes on from its client's options).
 SELECT dblink_disconnect('s') \g /dev/null

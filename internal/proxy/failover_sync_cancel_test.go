@@ -1,0 +1,76 @@
+package proxy_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/fenceproxy/fenceproxy/internal/fence"
+	"github.com/fenceproxy/fenceproxy/internal/proxy"
+)
+
+// With a synchronous standby, a raise whose wait for the standby is cancelled is committed on
+// the primary only (PostgreSQL answers the cancel with a WARNING and the commit). No session
+// may start on it before the standby has it (D3 of docs/proof.md): neither the session whose
+// login timeout cancelled the raise, nor a retry of the same token (whose bind raises nothing:
+// it started at once, and after a failover to the standby the stale token's write committed:
+// a review's F1), nor a session whose bind's wait an administrator cancelled (its WARNING:
+// ZF007). Once the standby streams again, the token is admitted.
+func TestFailoverSyncStandbyCancelledWaitAdmitsNobody(t *testing.T) {
+	pg, sb := replicatedDB(t)
+	makeSynchronous(t, pg, "s1")
+	px := fencedProxy(t, pg, func(c *proxy.Config) { c.LoginTimeout = 2 * time.Second })
+
+	connect(t, px.FenceURL("app", "postgres", "billing", 1)).Close(ctxT(t))
+	sb.WaitFlushed(t, pg.CurrentLSN(t), 30*time.Second)
+	sb.CutReplication()
+
+	if err := connectErr(px.FenceURL("app", "postgres", "billing", 2)); err == nil {
+		t.Fatal("the session raising to 2 started with its synchronous standby cut off")
+	}
+	if got := storedToken(t, pg); got != 2 {
+		t.Fatalf("the primary stores %d, want 2 (the raise whose wait the login timeout cancelled)", got)
+	}
+	if err := connectErr(px.FenceURL("app", "postgres", "billing", 2)); err == nil {
+		t.Fatal("a retry of token 2 started before the synchronous standby had its raise")
+	}
+
+	// An administrator cancels the bind's wait: the commit returns with a WARNING, and the
+	// session is refused.
+	slow := fencedProxy(t, pg, func(c *proxy.Config) { c.LoginTimeout = time.Minute })
+	errc := make(chan error, 1)
+	go func() { errc <- connectErr(slow.FenceURL("app", "postgres", "billing", 3)) }()
+	admin := connect(t, pg.AdminURL())
+	eventually(t, "the bind waits for the synchronous standby", func() error {
+		var n int
+		if err := admin.QueryRow(ctxT(t), "SELECT count(*) FILTER (WHERE pg_cancel_backend(pid)) FROM pg_stat_activity WHERE wait_event = 'SyncRep' AND usename = 'app'").Scan(&n); err != nil {
+			return err
+		}
+		if n == 0 {
+			return errors.New("no backend of app waits for SyncRep")
+		}
+		return nil
+	})
+	select {
+	case err := <-errc:
+		wantCode(t, err, fence.CodeUnavailable)
+	case <-time.After(30 * time.Second):
+		t.Fatal("the session whose bind's wait was cancelled did not end")
+	}
+
+	sb.HealReplication()
+	eventually(t, "token 3 admitted once the standby streams again", func() error {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		c, err := pgx.Connect(ctx, px.FenceURL("app", "postgres", "billing", 3))
+		if err != nil {
+			return err
+		}
+		defer c.Close(ctx)
+		_, err = c.Exec(ctx, "INSERT INTO items (tag, token) VALUES ('c', 3)")
+		return err
+	})
+}
