@@ -96,15 +96,32 @@ const FlushedLSNQuery = "SELECT pg_current_wal_flush_lsn()::text"
 // that have not flushed $4, each described, and how many members there are; it also says
 // whether the role can read pg_stat_replication's positions and whether this server is in
 // recovery (a standby has no standbys to ask).
+//
+// A name stands for every standby streaming under it: each must have flushed (min, not max:
+// pg_basebackup -R names every standby "walreceiver", and one streaming twin must not confirm
+// for another that is cut off). A name that is this server's own (its cluster_name, or the
+// application_name its primary_conninfo gives, when the role may read it: pg_read_all_settings)
+// and that no standby streams under is not waited for: after a failover the promoted standby is the primary, and the list an
+// operator gave for the whole cluster still holds (the others must stream from it).
 const pendingQuery = `
-WITH want AS (
+WITH self AS (
+    SELECT n FROM (
+        SELECT nullif(current_setting('cluster_name'), '') AS n
+        UNION ALL
+        SELECT substring(c FROM 'application_name\s*=\s*''?([^'' ]+)')
+        FROM (SELECT CASE WHEN pg_has_role('pg_read_all_settings', 'USAGE') THEN nullif(current_setting('primary_conninfo'), '') END AS c) pc
+        WHERE c IS NOT NULL
+    ) x WHERE n IS NOT NULL
+), want AS (
     SELECT n AS name, 'standby' AS kind FROM unnest($1::text[]) n
+    WHERE n NOT IN (SELECT n FROM self) OR n IN (SELECT application_name FROM pg_stat_replication)
     UNION SELECT n, 'slot' FROM unnest($2::text[]) n
     UNION SELECT slot_name::text, 'slot' FROM pg_replication_slots WHERE $3 AND slot_type = 'physical'
 ), pos AS (
     SELECT w.name, w.kind,
         CASE w.kind
-            WHEN 'standby' THEN (SELECT max(r.flush_lsn) FROM pg_stat_replication r WHERE r.application_name = w.name)
+            WHEN 'standby' THEN (SELECT CASE WHEN bool_or(r.flush_lsn IS NULL) THEN NULL ELSE min(r.flush_lsn) END
+                                 FROM pg_stat_replication r WHERE r.application_name = w.name)
             ELSE (SELECT s.restart_lsn FROM pg_replication_slots s WHERE s.slot_name = w.name AND s.slot_type = 'physical')
         END AS flushed
     FROM want w
@@ -168,7 +185,7 @@ func (s Set) WaitFlushed(ctx context.Context, q Querier, lsn string, timeout tim
 			return fmt.Errorf("%w: the server is a standby (in recovery), not the primary whose standbys count", ErrSetup)
 		case len(s.Names) > 0 && !canRead:
 			return fmt.Errorf("%w: this role cannot read pg_stat_replication's flush positions: GRANT pg_read_all_stats (or pg_monitor) TO it, or name slots (slot:NAME, slot:*) instead", ErrSetup)
-		case members == 0:
+		case members == 0 && s.AllSlots:
 			return fmt.Errorf("%w: slot:* counts every physical replication slot, and the server has none: create one per standby (pg_basebackup -C -S NAME, primary_slot_name) or name the standbys", ErrSetup)
 		case len(pending) == 0:
 			return nil
