@@ -1,11 +1,8 @@
 package proxy_test
 
 import (
-	"errors"
 	"strings"
 	"testing"
-
-	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // A leader holding another Consul key than the one the proxy validates the resource against
@@ -24,8 +21,7 @@ func TestConsulRefusalNamesTheValidatedKey(t *testing.T) {
 	}
 	err := connectErr(s.url(other))
 	wantStale(t, err)
-	var pe *pgconn.PgError
-	errors.As(err, &pe)
+	pe := pgErrorOf(err)
 	if !strings.Contains(pe.Hint, `Consul key "locks/billing"`) {
 		t.Fatalf("the hint does not name the validated key: %q", pe.Hint)
 	}

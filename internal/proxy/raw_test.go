@@ -14,7 +14,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
 
 	"github.com/fenceproxy/fenceproxy/internal/proxy"
@@ -53,15 +52,13 @@ func connectCfg(t *testing.T, url string, mod func(*pgx.ConnConfig)) *pgx.Conn {
 func backendGone(t *testing.T, admin querier, pid uint32, within time.Duration) time.Duration {
 	t.Helper()
 	start := time.Now()
-	for {
-		if count(t, admin, "SELECT count(*) FROM pg_stat_activity WHERE pid = $1", int32(pid)) == 0 {
-			return time.Since(start)
+	eventually(t, within, fmt.Sprintf("backend %d gone from pg_stat_activity", pid), func() error {
+		if count(t, admin, "SELECT count(*) FROM pg_stat_activity WHERE pid = $1", int32(pid)) > 0 {
+			return errors.New("still listed")
 		}
-		if time.Since(start) > within {
-			t.Fatalf("backend %d still in pg_stat_activity after %v", pid, within)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		return nil
+	})
+	return time.Since(start)
 }
 
 // rawConn is a protocol-level client.
@@ -254,13 +251,4 @@ func diffLines(direct, proxied []string) string {
 	}
 	fmt.Fprintf(&b, "direct (%d messages):\n  %s\nproxy (%d messages):\n  %s", len(direct), strings.Join(direct, "\n  "), len(proxied), strings.Join(proxied, "\n  "))
 	return b.String()
-}
-
-// pgErrorOf returns err's *pgconn.PgError, if any.
-func pgErrorOf(err error) *pgconn.PgError {
-	var pe *pgconn.PgError
-	if errors.As(err, &pe) {
-		return pe
-	}
-	return nil
 }
