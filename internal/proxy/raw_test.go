@@ -119,6 +119,27 @@ func (r *rawConn) startup(version uint32, params ...string) []string {
 	}
 }
 
+// startupPID completes a startup that must succeed, and returns the backend's pid.
+func (r *rawConn) startupPID(version uint32, params ...string) uint32 {
+	r.t.Helper()
+	r.writeRaw(startupPacket(version, params...))
+	var pid uint32
+	for {
+		m, err := r.fe.Receive()
+		if err != nil {
+			r.t.Fatalf("startup: %v", err)
+		}
+		switch m := m.(type) {
+		case *pgproto3.BackendKeyData:
+			pid = m.ProcessID
+		case *pgproto3.ErrorResponse:
+			r.t.Fatalf("startup: %s %s: %s", m.Severity, m.Code, m.Message)
+		case *pgproto3.ReadyForQuery:
+			return pid
+		}
+	}
+}
+
 // startupPacket encodes a StartupMessage with params in order
 // (name, value, name, value...).
 func startupPacket(version uint32, params ...string) []byte {

@@ -316,23 +316,8 @@ func TestDuplicateStartupParameters(t *testing.T) {
 
 	t.Run("database twice", func(t *testing.T) {
 		r := dialRaw(t, proxyAddr(p))
-		r.writeRaw(startupPacket(196608, "user", "app", "database", "nosuchdb", "database", "postgres",
-			"fence.resource", "billing", "fence.token", "5"))
-		var pid uint32
-		for done := false; !done; {
-			m, err := r.fe.Receive()
-			if err != nil {
-				t.Fatalf("startup: %v", err)
-			}
-			switch m := m.(type) {
-			case *pgproto3.BackendKeyData:
-				pid = m.ProcessID
-			case *pgproto3.ErrorResponse:
-				t.Fatalf("startup with database given twice: %s %s: %s", m.Severity, m.Code, m.Message)
-			case *pgproto3.ReadyForQuery:
-				done = true
-			}
-		}
+		pid := r.startupPID(196608, "user", "app", "database", "nosuchdb", "database", "postgres",
+			"fence.resource", "billing", "fence.token", "5")
 		r.send(&pgproto3.Query{String: "INSERT INTO items(tag, token) VALUES ('f11', 5) RETURNING current_database()"})
 		var db string
 		for done := false; !done; {

@@ -136,22 +136,7 @@ func TestSilentServerEndOfStaleSessionIsAnError(t *testing.T) {
 	// its backend's pid.
 	fenced := func(t *testing.T, tok int64) (*rawConn, uint32) {
 		r := dialRaw(t, proxyAddr(b))
-		r.writeRaw(startupPacket(196608, "user", "app", "database", "postgres", "fence.resource", "billing", "fence.token", fmt.Sprint(tok)))
-		var pid uint32
-		for {
-			m, err := r.fe.Receive()
-			if err != nil {
-				t.Fatalf("fenced startup: %v", err)
-			}
-			switch m := m.(type) {
-			case *pgproto3.BackendKeyData:
-				pid = m.ProcessID
-			case *pgproto3.ErrorResponse:
-				t.Fatalf("fenced startup: %s %s", m.Code, m.Message)
-			case *pgproto3.ReadyForQuery:
-				return r, pid
-			}
-		}
+		return r, r.startupPID(196608, "user", "app", "database", "postgres", "fence.resource", "billing", "fence.token", fmt.Sprint(tok))
 	}
 	// readToEnd reads until the connection ends and judges the end. It frames
 	// the messages itself, to tell an end between two messages from one in
