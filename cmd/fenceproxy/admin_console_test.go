@@ -2,6 +2,8 @@ package main_test
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"net"
 	"os"
 	"os/exec"
@@ -44,12 +46,17 @@ func TestAdminConsoleServe(t *testing.T) {
 		out, err := c.CombinedOutput()
 		return string(out), err
 	}
-	eventually(t, "the console answers", func() (bool, string) {
-		out, err := psql("ops", "SHOW VERSION")
-		return err == nil && strings.HasPrefix(out, "fenceproxy "), out
+	eventually(t, time.Minute, "the console answers", func() error {
+		if out, err := psql("ops", "SHOW VERSION"); err != nil || !strings.HasPrefix(out, "fenceproxy ") {
+			return fmt.Errorf("%v %s", err, out)
+		}
+		return nil
 	})
-	eventually(t, "the warning of a shadowed database", func() (bool, string) {
-		return strings.Contains(logs.String(), "the server has a database of the admin console's name"), logs.String()
+	eventually(t, time.Minute, "the warning of a shadowed database", func() error {
+		if !strings.Contains(logs.String(), "the server has a database of the admin console's name") {
+			return errors.New(logs.String())
+		}
+		return nil
 	})
 	if out, err := psql("dba", "SHOW FENCES"); err == nil || !strings.Contains(out, `user "dba" may not use the fenceproxy admin console`) {
 		t.Fatalf("dba before the reload: %v %s", err, out)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -89,19 +90,25 @@ func httpGet(t *testing.T, url string) (int, string) {
 	return resp.StatusCode, string(b)
 }
 
-// eventually polls cond (every 100 ms, for up to a minute: the machine may be loaded).
-func eventually(t *testing.T, what string, cond func() (bool, string)) {
+// pollEvery is how often eventually asks again.
+const pollEvery = 50 * time.Millisecond
+
+// eventually is the one way these tests wait for a condition (as in internal/proxy's tests):
+// it calls cond until cond returns nil, every pollEvery, and fails the test once within has
+// passed, with what and cond's last error (what was still wrong). Give within room: the
+// machine may be loaded.
+func eventually(t testing.TB, within time.Duration, what string, cond func() error) {
 	t.Helper()
-	deadline := time.Now().Add(time.Minute)
+	deadline := time.Now().Add(within)
 	for {
-		ok, last := cond()
-		if ok {
+		err := cond()
+		if err == nil {
 			return
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("%s: not within a minute; last: %s", what, last)
+			t.Fatalf("%s: not within %s; last: %v", what, within, err)
 		}
-		time.Sleep(100 * time.Millisecond)
+		time.Sleep(pollEvery)
 	}
 }
 
@@ -127,8 +134,14 @@ func TestServeAdminAndReload(t *testing.T) {
 	defer stop()
 	base := "http://" + admin
 	get := func(path string) (int, string) { return httpGet(t, base+path) }
-	eventually(t, "healthz", func() (bool, string) { c, b := get("/healthz"); return c == 200, b })
-	eventually(t, "readyz", func() (bool, string) { c, b := get("/readyz"); return c == 200, b })
+	wantStatus := func(code int, body string) error {
+		if code != http.StatusOK {
+			return fmt.Errorf("%d %s", code, body)
+		}
+		return nil
+	}
+	eventually(t, time.Minute, "healthz", func() error { return wantStatus(get("/healthz")) })
+	eventually(t, time.Minute, "readyz", func() error { return wantStatus(get("/readyz")) })
 	// On loopback, a Host that is no loopback name is refused (DNS rebinding).
 	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, base+"/status", nil)
 	req.Host = "evil.example"
@@ -205,8 +218,11 @@ func TestServeAdminAndReload(t *testing.T) {
 	if err := cmd.Process.Signal(syscall.SIGHUP); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "reload logged", func() (bool, string) {
-		return strings.Contains(logs.String(), "reloaded (SIGHUP)"), logs.String()
+	eventually(t, time.Minute, "reload logged", func() error {
+		if !strings.Contains(logs.String(), "reloaded (SIGHUP)") {
+			return errors.New(logs.String())
+		}
+		return nil
 	})
 	for _, want := range []string{"resources [billing ledger]", "max-clients 60 (was 50)", "log-level debug (was info)"} {
 		if !strings.Contains(logs.String(), want) {
@@ -225,8 +241,11 @@ func TestServeAdminAndReload(t *testing.T) {
 	conf["connect-timeout"] = "3s"
 	writeConf(conf)
 	cmd.Process.Signal(syscall.SIGHUP) //nolint:errcheck
-	eventually(t, "restart-only change logged", func() (bool, string) {
-		return strings.Contains(logs.String(), "could not apply") && strings.Contains(logs.String(), "connect-timeout (needs a restart)"), logs.String()
+	eventually(t, time.Minute, "restart-only change logged", func() error {
+		if !strings.Contains(logs.String(), "could not apply") || !strings.Contains(logs.String(), "connect-timeout (needs a restart)") {
+			return errors.New(logs.String())
+		}
+		return nil
 	})
 	if err := conn.Ping(ctx); err != nil {
 		t.Fatalf("the session after the second reload: %v", err)
@@ -261,8 +280,11 @@ func TestServeAdminAndReload(t *testing.T) {
 			t.Fatal(err)
 		}
 		cmd.Process.Signal(syscall.SIGHUP) //nolint:errcheck
-		eventually(t, "refused reload logged: "+bad.want, func() (bool, string) {
-			return strings.Contains(logs.String(), bad.want) && strings.Contains(logs.String(), "nothing changed"), logs.String()
+		eventually(t, time.Minute, "refused reload logged: "+bad.want, func() error {
+			if !strings.Contains(logs.String(), bad.want) || !strings.Contains(logs.String(), "nothing changed") {
+				return errors.New(logs.String())
+			}
+			return nil
 		})
 	}
 	writeConf(conf)
@@ -272,13 +294,15 @@ func TestServeAdminAndReload(t *testing.T) {
 
 	// PostgreSQL down: not ready; back: ready again.
 	pg.Stop(t)
-	eventually(t, "readyz 503 with PostgreSQL stopped", func() (bool, string) {
-		c, b := get("/readyz")
-		return c == http.StatusServiceUnavailable && strings.Contains(b, "upstream unreachable"), b
+	eventually(t, time.Minute, "readyz 503 with PostgreSQL stopped", func() error {
+		if c, b := get("/readyz"); c != http.StatusServiceUnavailable || !strings.Contains(b, "upstream unreachable") {
+			return fmt.Errorf("%d %s", c, b)
+		}
+		return nil
 	})
 	if c, _ := get("/healthz"); c != 200 {
 		t.Errorf("healthz %d with PostgreSQL stopped: the process is alive", c)
 	}
 	pg.Start(t)
-	eventually(t, "readyz 200 with PostgreSQL back", func() (bool, string) { c, b := get("/readyz"); return c == 200, b })
+	eventually(t, time.Minute, "readyz 200 with PostgreSQL back", func() error { return wantStatus(get("/readyz")) })
 }

@@ -3,6 +3,7 @@ package main_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -205,12 +206,10 @@ func readEnv(t *testing.T, path string) map[string]string {
 // waitPath waits until path exists; the file out is what to show if it never does.
 func waitPath(t *testing.T, path, out string) {
 	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for time.Now().Before(deadline) {
-		if _, err := os.Stat(path); err == nil {
-			return
+	eventually(t, 30*time.Second, path+" appears", func() error {
+		if _, err := os.Stat(path); err != nil {
+			return fmt.Errorf("%v; %s:\n%s", err, out, readFile(t, out))
 		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	t.Fatalf("%s did not appear:\n%s", path, readFile(t, out))
+		return nil
+	})
 }

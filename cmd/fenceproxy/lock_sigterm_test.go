@@ -1,7 +1,7 @@
 package main_test
 
 import (
-	"bytes"
+	"errors"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -28,7 +28,7 @@ func TestLockSIGTERMIsANormalExit(t *testing.T) {
 
 	stop := func(t *testing.T, resource, script string, started func() bool) (int, string) {
 		t.Helper()
-		var logs bytes.Buffer
+		var logs syncBuffer // read while the command writes it
 		cmd := exec.Command(bin, "lock", "--store", "postgres", "--database", admin, "--resource", resource,
 			"--ttl", "5s", "--grace", "5s", "--", "/bin/sh", "-c", script)
 		cmd.Stdout, cmd.Stderr = &logs, &logs
@@ -36,13 +36,12 @@ func TestLockSIGTERMIsANormalExit(t *testing.T) {
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
-		deadline := time.Now().Add(60 * time.Second)
-		for !started() {
-			if time.Now().After(deadline) {
-				t.Fatalf("not started within 60 s:\n%s", logs.String())
+		eventually(t, 60*time.Second, "started", func() error {
+			if !started() {
+				return errors.New(logs.String())
 			}
-			time.Sleep(50 * time.Millisecond)
-		}
+			return nil
+		})
 		if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
 			t.Fatal(err)
 		}

@@ -1,9 +1,9 @@
 package main_test
 
 import (
-	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -96,21 +96,19 @@ func TestLockPostgres(t *testing.T) {
 		ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
 		defer cancel()
 		cmd := lock(ctx, dir, "two", `echo $$ > "$DIR/pid"; exec sleep 60`)
-		var out bytes.Buffer
+		var out syncBuffer // read while the command writes it
 		cmd.Stdout, cmd.Stderr = &out, &out
 		if err := cmd.Start(); err != nil {
 			t.Fatal(err)
 		}
 		var pid int
-		deadline := time.Now().Add(20 * time.Second)
-		for pid == 0 && time.Now().Before(deadline) {
+		eventually(t, 20*time.Second, "the child starts", func() error {
 			b, _ := os.ReadFile(filepath.Join(dir, "pid"))
-			pid, _ = strconv.Atoi(strings.TrimSpace(string(b)))
-			time.Sleep(20 * time.Millisecond)
-		}
-		if pid == 0 {
-			t.Fatalf("the child did not start:\n%s", out.String())
-		}
+			if pid, _ = strconv.Atoi(strings.TrimSpace(string(b))); pid == 0 {
+				return errors.New(out.String())
+			}
+			return nil
+		})
 		var generation int64
 		if err := conn.QueryRow(t.Context(), "SELECT generation FROM fence.leases WHERE resource = 'billing'").Scan(&generation); err != nil {
 			t.Fatal(err)
@@ -218,16 +216,16 @@ func TestLockSupervisorKilled(t *testing.T) {
 	}
 	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
 	var child int
-	deadline := time.Now().Add(60 * time.Second)
-	for child == 0 {
-		if b, err := os.ReadFile(pidFile); err == nil {
+	eventually(t, 60*time.Second, "the child starts", func() error {
+		b, err := os.ReadFile(pidFile)
+		if err == nil {
 			child, _ = strconv.Atoi(strings.TrimSpace(string(b)))
 		}
-		if time.Now().After(deadline) {
-			t.Fatal("the child did not start within 60 s")
+		if child == 0 {
+			return fmt.Errorf("no pid: %v", err)
 		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		return nil
+	})
 	t.Cleanup(func() { _ = syscall.Kill(child, syscall.SIGKILL) })
 	if !running(child) {
 		t.Fatalf("child %d not running", child)
@@ -236,13 +234,12 @@ func TestLockSupervisorKilled(t *testing.T) {
 		t.Fatal(err)
 	}
 	_ = cmd.Wait()
-	deadline = time.Now().Add(30 * time.Second)
-	for running(child) {
-		if time.Now().After(deadline) {
-			t.Fatalf("child %d still running 30 s after its supervisor was killed", child)
+	eventually(t, 30*time.Second, fmt.Sprintf("child %d ends after its supervisor was killed", child), func() error {
+		if running(child) {
+			return errors.New("still running")
 		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		return nil
+	})
 }
 
 // running reports whether process pid exists and is not a zombie (a reaper that does not reap

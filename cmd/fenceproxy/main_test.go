@@ -75,18 +75,13 @@ func freeAddr(t *testing.T) string {
 
 func waitListening(t *testing.T, addr string) {
 	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for {
+	eventually(t, 20*time.Second, "something listens on "+addr, func() error {
 		c, err := net.Dial("tcp", addr)
 		if err == nil {
 			c.Close()
-			return
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("nothing listens on %s", addr)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		return err
+	})
 }
 
 // TestServeBinary runs the real binary: configuration from a file, the

@@ -3,6 +3,7 @@ package lease_test
 import (
 	"bufio"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -263,20 +264,39 @@ func saveSnapshot(t *testing.T, client *api.Client) []byte {
 
 func itoa(i int) string { return strconv.Itoa(i) }
 
+// pollEvery is how often eventually asks again.
+const pollEvery = 20 * time.Millisecond
+
+// eventually is the one way these tests poll for a condition (as in internal/proxy's tests;
+// recorder.waitFor waits for a reported state instead): it calls cond until cond returns
+// nil, every pollEvery, and fails the test once within has passed, with what and cond's
+// last error (what was still wrong).
+func eventually(t testing.TB, within time.Duration, what string, cond func() error) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for {
+		err := cond()
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: not within %s; last: %v", what, within, err)
+		}
+		time.Sleep(pollEvery)
+	}
+}
+
 // waitState polls the watcher's state of key until pred holds.
 func waitState(t *testing.T, w *lease.Watcher, key string, pred func(lease.State) bool) lease.State {
 	t.Helper()
-	deadline := time.Now().Add(waitTimeout)
-	for {
-		s, _ := w.State(key)
-		if pred(s) {
-			return s
+	var s lease.State
+	eventually(t, waitTimeout, "the state of "+key+" as expected", func() error {
+		if s, _ = w.State(key); !pred(s) {
+			return errors.New(describe(s))
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("state of %s not as expected within %v: %s", key, waitTimeout, describe(s))
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+		return nil
+	})
+	return s
 }
 
 // contend runs contenders goroutines that each take resource's lease rounds times from

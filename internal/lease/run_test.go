@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -37,16 +38,15 @@ func runLocked(t *testing.T, ctx context.Context, cfg lease.RunConfig) <-chan er
 // waitFile waits until path exists with content satisfying ok, and returns the content.
 func waitFile(t *testing.T, path string, ok func(string) bool) string {
 	t.Helper()
-	deadline := time.Now().Add(waitTimeout)
-	for time.Now().Before(deadline) {
-		if b, err := os.ReadFile(path); err == nil && ok(string(b)) {
-			return string(b)
+	var content string
+	eventually(t, waitTimeout, filepath.Base(path)+" as expected", func() error {
+		b, err := os.ReadFile(path)
+		if content = string(b); err == nil && !ok(content) {
+			err = fmt.Errorf("content %q", content)
 		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	b, _ := os.ReadFile(path)
-	t.Fatalf("%s: content %q not as expected after %v", filepath.Base(path), b, waitTimeout)
-	return ""
+		return err
+	})
+	return content
 }
 
 func nonEmpty(s string) bool { return strings.TrimSpace(s) != "" }
@@ -290,19 +290,16 @@ func TestRunLocked(t *testing.T) {
 		res := runLocked(t, testCtx(t), cfg)
 		leader, _ := strconv.Atoi(strings.TrimSpace(waitFile(t, filepath.Join(dir, "leader"), nonEmpty)))
 		grandchild, _ := strconv.Atoi(strings.TrimSpace(waitFile(t, filepath.Join(dir, "grandchild"), nonEmpty)))
-		zombie := false
-		deadline := time.Now().Add(waitTimeout)
-		for !zombie && time.Now().Before(deadline) {
+		eventually(t, waitTimeout, fmt.Sprintf("the child %d exits", leader), func() error {
 			b, err := os.ReadFile("/proc/" + strconv.Itoa(leader) + "/stat")
 			if err != nil {
 				t.Fatalf("the exited child %d was reaped while its group still ran (grandchild alive: %v)", leader, alive(grandchild))
 			}
-			zombie = strings.Contains(string(b), ") Z ")
-			time.Sleep(10 * time.Millisecond)
-		}
-		if !zombie {
-			t.Fatalf("the child %d did not exit", leader)
-		}
+			if !strings.Contains(string(b), ") Z ") {
+				return errors.New("not a zombie")
+			}
+			return nil
+		})
 		if !alive(grandchild) {
 			t.Fatalf("the grandchild %d ended before the grace period; the test needs it to ignore SIGTERM", grandchild)
 		}

@@ -50,17 +50,13 @@ func czxid(t *testing.T, c *zk.Conn, path string) int64 {
 // waitChildren waits until dir has n children.
 func waitChildren(t *testing.T, c *zk.Conn, dir string, n int) {
 	t.Helper()
-	deadline := time.Now().Add(waitTimeout)
-	for {
+	eventually(t, waitTimeout, fmt.Sprintf("%s has %d children", dir, n), func() error {
 		children, _, err := c.Children(dir)
-		if err == nil && len(children) == n {
-			return
+		if err == nil && len(children) != n {
+			err = fmt.Errorf("children %v", children)
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%s has children %v (%v), want %d", dir, children, err, n)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		return err
+	})
 }
 
 // TestZooKeeperLease runs the lock recipe against one real ZooKeeper server: its subtests

@@ -1,7 +1,6 @@
 package proxy_test
 
 import (
-	"errors"
 	"fmt"
 	"net"
 	"strconv"
@@ -11,7 +10,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
 
 	"github.com/fenceproxy/fenceproxy/internal/proxy"
@@ -165,8 +163,7 @@ func TestAdminConsole(t *testing.T) {
 		if !strings.Contains(err.Error(), `user "app" may not use the fenceproxy admin console`) || !strings.Contains(err.Error(), "--admin-users") {
 			t.Errorf("refusal: %v", err)
 		}
-		var pe *pgconn.PgError
-		if errors.As(err, &pe) && !strings.Contains(pe.Hint, "--admin-database") {
+		if pe := pgErrorOf(err); pe != nil && !strings.Contains(pe.Hint, "--admin-database") {
 			t.Errorf("hint %q does not say how to reach a server database of that name", pe.Hint)
 		}
 		_, stderr, err := runPsql(t, pg, p.URLWithPassword("app", "app", "fenceproxy"), nil, "-c", "SHOW FENCES")
@@ -268,12 +265,15 @@ func TestAdminConsole(t *testing.T) {
 		}
 		waited := make(chan error, 1)
 		go func() { waited <- connectErr(p.FenceURL("app", "postgres", "billing", 5) + "&password=app") }()
-		waitFor(t, "the session of billing waiting", func() (bool, string) {
+		eventually(t, time.Minute, "the session of billing waiting", func() error {
 			var paused bool
 			var waiting int64
 			err := admin.QueryRow(ctx, "SHOW FENCES").Scan(new(string), new(string), new(int64), new(*string), new(*string), new(*time.Time),
 				new(int64), new(bool), new(string), new(int64), &paused, &waiting)
-			return err == nil && paused && waiting == 1, fmt.Sprintf("paused %v waiting %d %v", paused, waiting, err)
+			if err == nil && paused && waiting == 1 {
+				return nil
+			}
+			return fmt.Errorf("paused %v waiting %d %v", paused, waiting, err)
 		})
 		// Another resource is not paused.
 		if err := connectErr(p.FenceURL("app", "postgres", "other", 1) + "&password=app"); err != nil {
@@ -379,9 +379,11 @@ func TestAdminConsole(t *testing.T) {
 		}
 		waited := make(chan error, 1)
 		go func() { waited <- connectErr(p.FenceURL("app", "postgres", "billing", 5) + "&password=app") }()
-		waitFor(t, "a session waiting", func() (bool, string) {
-			st := p.Server.Status(ctx)
-			return st.Waiting == 1, fmt.Sprint(st.Waiting)
+		eventually(t, time.Minute, "a session waiting", func() error {
+			if st := p.Server.Status(ctx); st.Waiting != 1 {
+				return fmt.Errorf("%d waiting", st.Waiting)
+			}
+			return nil
 		})
 		start := time.Now()
 		p.Stop(t)

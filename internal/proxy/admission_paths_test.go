@@ -274,7 +274,7 @@ func startPathProxy(t *testing.T, s *servers, path admissionPath, resources []st
 		opts = testenv.ProxyOptions{Admitter: g, Registry: reg}
 	}
 	p := testenv.StartProxy(t, s.pg, cfg, opts)
-	eventually(t, path.name+" proxy ready", func() error {
+	eventually(t, 15*time.Second, path.name+" proxy ready", func() error {
 		if why := p.Server.NotReady(ctxT(t)); len(why) > 0 {
 			return fmt.Errorf("not ready: %v", why)
 		}

@@ -8,10 +8,9 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"crypto/x509/pkix"
+	"encoding/binary"
 	"encoding/pem"
-	"errors"
 	"fmt"
-	"github.com/jackc/pgx/v5/pgconn"
 	"math/big"
 	"net"
 	"os"
@@ -60,13 +59,12 @@ func setupAuth(t *testing.T, s *suite) {
 		t.Fatal(err)
 	}
 	s.pg.Exec(t, "SELECT pg_reload_conf()")
-	deadline := time.Now().Add(10 * time.Second)
-	for sqlstate(connectErr(s.pg.URLWithPassword(authRoles["password"], "wrong", "postgres"))) != "28P01" {
-		if time.Now().After(deadline) {
-			t.Fatal("pg_hba.conf not reloaded")
+	eventually(t, 10*time.Second, "pg_hba.conf reloaded", func() error {
+		if err := connectErr(s.pg.URLWithPassword(authRoles["password"], "wrong", "postgres")); sqlstate(err) != "28P01" {
+			return fmt.Errorf("a wrong password: %v, want 28P01", err)
 		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		return nil
+	})
 }
 
 // testAuthMethods: every password method PostgreSQL offers is relayed
@@ -427,8 +425,8 @@ func testSCRAMChannelBinding(t *testing.T, s *suite) {
 				if err == nil {
 					t.Fatal("want an authentication error")
 				}
-				var pe *pgconn.PgError
-				if !errors.As(err, &pe) || !strings.Contains(pe.Hint, "channel_binding=disable") {
+				pe := pgErrorOf(err)
+				if pe == nil || !strings.Contains(pe.Hint, "channel_binding=disable") {
 					t.Fatalf("the error does not say what to do: %v", err)
 				}
 				t.Logf("as expected, channel binding across the proxy fails: %v", err)
@@ -518,5 +516,95 @@ func testNoClientTLS(t *testing.T, s *suite) {
 	msgs, err := r.readAll()
 	if e := errorOf(msgs); e == nil || e.Code != "08P01" || !isClosed(err) {
 		t.Fatalf("want a 08P01 error and a closed connection, got %+v, %v", msgs, err)
+	}
+}
+
+// TestOversizedAuthAnswerRefusedUnread (F2): before authentication the proxy
+// does not buffer what a client announces. After the server's SCRAM challenge
+// a client announces a 10 MB SASLInitialResponse and sends only its first
+// bytes: the proxy answers FATAL 08P01 "... too large" at once (not at the
+// login timeout, 30 s here, after waiting for 10 MB), and closes. A normal
+// SCRAM login through the proxy still works.
+func TestOversizedAuthAnswerRefusedUnread(t *testing.T) {
+	t.Parallel()
+	pg, _ := fencedDB(t, testenv.WithAuth("scram-sha-256"))
+	p := fencedProxy(t, pg, func(c *proxy.Config) { c.LoginTimeout = 30 * time.Second })
+
+	ok := connect(t, p.URLWithPassword("app", "app", "postgres", "fence.resource=billing", "fence.token=1"))
+	if _, err := ok.Exec(ctxT(t), "SELECT 1"); err != nil {
+		t.Fatalf("a session after a normal SCRAM login: %v", err)
+	}
+
+	r := dialRaw(t, proxyAddr(p))
+	r.writeRaw(startupPacket(196608, "user", "app", "database", "postgres", "fence.resource", "billing", "fence.token", "1"))
+	m, err := r.fe.Receive()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := m.(*pgproto3.AuthenticationSASL); !ok {
+		t.Fatalf("want AuthenticationSASL, got %s", normalize(m))
+	}
+	const announced = 10 << 20
+	msg := []byte{'p'}
+	msg = binary.BigEndian.AppendUint32(msg, announced+4)
+	msg = append(msg, "SCRAM-SHA-256\x00"...)
+	msg = binary.BigEndian.AppendUint32(msg, uint32(announced-4-len("SCRAM-SHA-256\x00")-4))
+	msg = append(msg, "n,,n=,r="...)
+	r.writeRaw(msg)
+	start := time.Now()
+	r.conn.SetReadDeadline(start.Add(10 * time.Second)) //nolint:errcheck
+	msgs, err := r.readAll()
+	e := errorOf(msgs)
+	if e == nil {
+		t.Fatalf("no error within %v of an announced %d-byte authentication answer (connection: %v)", time.Since(start).Round(time.Millisecond), announced, err)
+	}
+	if e.Code != wire.CodeProtocolViolation || e.Severity != wire.SeverityFatal || !strings.Contains(e.Message, "too large") {
+		t.Fatalf("want FATAL 08P01 ... too large, got %s %s: %s", e.Severity, e.Code, e.Message)
+	}
+	if !isClosed(err) {
+		t.Fatalf("the connection stays open after the error: %v", err)
+	}
+	if d := time.Since(start); d > 5*time.Second {
+		t.Fatalf("the refusal took %v", d)
+	}
+	t.Logf("refused after %v: %s", time.Since(start).Round(time.Millisecond), e.Message)
+}
+
+// TestStaleTokenNotDisclosedBeforeAuthentication (F10): a client that has not
+// authenticated learns nothing of the admitted tokens. With a wrong password,
+// or as an unknown user, and a stale token, the client gets the server's
+// authentication error (28P01) and no token number; with the right password
+// the same stale token is refused with ZF001.
+func TestStaleTokenNotDisclosedBeforeAuthentication(t *testing.T) {
+	t.Parallel()
+	pg, _ := fencedDB(t, testenv.WithAuth("scram-sha-256"))
+	p := fencedProxy(t, pg)
+	const admitted = 734
+	connect(t, p.URLWithPassword("app", "app", "postgres", "fence.resource=billing", fmt.Sprintf("fence.token=%d", admitted)))
+	if h := p.Registry.Highest("postgres", "billing"); h != admitted {
+		t.Fatalf("the proxy knows token %d, want %d: the test would prove nothing", h, admitted)
+	}
+	stale := fmt.Sprintf("fence.token=%d", admitted-1)
+	for _, c := range []struct{ name, user, password string }{
+		{"wrong password", "app", "wrong"},
+		{"unknown user", "nobody", "app"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			err := connectErr(p.URLWithPassword(c.user, c.password, "postgres", "fence.resource=billing", stale))
+			pe := pgErrorOf(err)
+			if pe == nil || pe.Code != "28P01" {
+				t.Fatalf("want the server's 28P01, got SQLSTATE %q: %v", sqlstate(err), err)
+			}
+			for _, s := range []string{pe.Message, pe.Detail, pe.Hint} {
+				if strings.Contains(s, fmt.Sprint(admitted)) || strings.Contains(strings.ToLower(s), "token") {
+					t.Fatalf("the refusal of an unauthenticated client tells of the tokens: %+v", pe)
+				}
+			}
+		})
+	}
+	err := connectErr(p.URLWithPassword("app", "app", "postgres", "fence.resource=billing", stale))
+	wantStale(t, err)
+	if !strings.Contains(err.Error(), fmt.Sprint(admitted)) {
+		t.Fatalf("the authenticated client's refusal does not name token %d: %v", admitted, err)
 	}
 }

@@ -2,12 +2,9 @@ package proxy_test
 
 import (
 	"context"
-	"errors"
 	"strings"
 	"testing"
 	"time"
-
-	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/fenceproxy/fenceproxy/internal/faulthop"
 	"github.com/fenceproxy/fenceproxy/internal/fence"
@@ -40,8 +37,8 @@ func TestHungConsulRefusesQuickly(t *testing.T) {
 	if took > 8*time.Second {
 		t.Errorf("refused after %s: want well under the 15 s login timeout", took)
 	}
-	var pe *pgconn.PgError
-	if !errors.As(err, &pe) {
+	pe := pgErrorOf(err)
+	if pe == nil {
 		t.Fatalf("%v: not the server's error", err)
 	}
 	for _, w := range []string{"Consul at " + hop.Addr, "no token is admitted without Consul's word"} {

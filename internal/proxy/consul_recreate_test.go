@@ -119,7 +119,7 @@ func TestConsulAPILockDestroyHandOvers(t *testing.T) {
 			t.Fatal(err)
 		}
 		url := s.url(tok, "fence.session="+sid)
-		eventually(t, fmt.Sprintf("holder %d admitted", i), func() error {
+		eventually(t, 15*time.Second, fmt.Sprintf("holder %d admitted", i), func() error {
 			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 			defer cancel()
 			conn, err := pgx.Connect(ctx, url)

@@ -62,7 +62,7 @@ func startGuardedProxy(t *testing.T, s *consulSetup, mod ...func(*proxy.Config))
 	// Sessions are refused (ZF007) until the Guard has read Consul once: wait for that, with a
 	// token no lock ever issued (refused for another reason once synchronised), so that the
 	// tests' first connection is not refused for the start-up alone.
-	eventually(t, "the Guard synchronised with Consul", func() error {
+	eventually(t, 15*time.Second, "the Guard synchronised with Consul", func() error {
 		if err := connectErr(gp.url(1 << 40)); err != nil && strings.Contains(err.Error(), "not synchronised") {
 			return err
 		}
@@ -114,13 +114,13 @@ func TestConsulRegressionSurvivesRestart(t *testing.T) {
 	if _, err := s.client.KV().Put(&api.KVPair{Key: "locks/billing", Value: []byte("oops")}, nil); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "regression seen", func() error {
+	eventually(t, 15*time.Second, "regression seen", func() error {
 		if err := connectErr(p1.url(tok)); sqlstate(err) != fence.CodeUnavailable {
 			return fmt.Errorf("got %v", err)
 		}
 		return nil
 	})
-	eventually(t, "regression recorded", func() error {
+	eventually(t, 15*time.Second, "regression recorded", func() error {
 		if n := count(t, s.admin, "SELECT count(*)::int FROM fence.consul_tokens WHERE resource = 'billing' AND regression IS NOT NULL"); n != 1 {
 			return errors.New("not yet")
 		}
@@ -161,15 +161,7 @@ func TestConsulRegressionSurvivesRestart(t *testing.T) {
 	// The operator's way out: reset the stored token to Consul's. The running proxy follows
 	// it (its LISTEN on the control database), no restart needed.
 	mustExec(t, s.admin, "SELECT fence.reset('billing', $1)", tok)
-	eventually(t, "admitted after reset", func() error {
-		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-		defer cancel()
-		c, err := pgx.Connect(ctx, p2.url(tok, "fence.session="+b))
-		if err != nil {
-			return err
-		}
-		return c.Close(ctx)
-	})
+	eventually(t, 15*time.Second, "admitted after reset", func() error { return connectErr(p2.url(tok, "fence.session="+b)) })
 }
 
 // regressWhileDown: a holder's token (LockIndex 2) is admitted and written with, every proxy
@@ -273,7 +265,7 @@ func TestConsulQuickHandOvers(t *testing.T) {
 	}
 	tok := int64(pair.LockIndex)
 	for i, p := range []*guardedProxy{p1, p2} {
-		eventually(t, fmt.Sprintf("proxy %d admits the leader", i+1), func() error {
+		eventually(t, 15*time.Second, fmt.Sprintf("proxy %d admits the leader", i+1), func() error {
 			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 			defer cancel()
 			c, err := pgx.Connect(ctx, p.url(tok, "fence.session="+last))
@@ -311,10 +303,67 @@ func TestConsulRegressionWhileDownIsZF007(t *testing.T) {
 	err := connectErr(p.url(low, "fence.session="+b))
 	wantCode(t, err, fence.CodeUnavailable)
 	t.Logf("leader: %v", err)
-	eventually(t, "regression recorded", func() error {
+	eventually(t, 15*time.Second, "regression recorded", func() error {
 		if n := count(t, s.admin, "SELECT count(*)::int FROM fence.consul_tokens WHERE regression IS NOT NULL"); n != 1 {
 			return fmt.Errorf("%d regressions recorded", n)
 		}
 		return nil
 	})
+}
+
+// TestConsulForgedResetNotifyChangesNothing (review finding F4): any client may NOTIFY on the
+// proxies' channel. A forged "<resource> <token> reset" while the resource fails closed after a
+// regression changes nothing: the Guard finds no such reset in fence.history, says so, and keeps
+// refusing (ZF007). The operator's real fence.reset still ends the regression in the running
+// proxy.
+func TestConsulForgedResetNotifyChangesNothing(t *testing.T) {
+	t.Parallel()
+	s := startConsulProxy(t)
+	p := startGuardedProxy(t, s)
+	a, _ := consulLock(t, s.client, "locks/billing")
+	tok := reacquire(t, s.client, "locks/billing", a) // LockIndex 2
+	mustExec(t, connect(t, p.url(tok)), "INSERT INTO items (tag) VALUES ('a')")
+	if _, err := s.client.KV().Put(&api.KVPair{Key: "locks/billing", Value: []byte("oops")}, nil); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 15*time.Second, "regression seen and recorded", func() error {
+		if err := connectErr(p.url(tok)); sqlstate(err) != fence.CodeUnavailable {
+			return fmt.Errorf("got %v", err)
+		}
+		if n := count(t, s.admin, "SELECT count(*)::int FROM fence.consul_tokens WHERE regression IS NOT NULL"); n != 1 {
+			return errors.New("not recorded yet")
+		}
+		return nil
+	})
+	// Both Guards' listeners (the setup's and p's) are past their LISTEN.
+	eventually(t, 15*time.Second, "listeners ready", func() error {
+		if n := count(t, s.admin, `SELECT count(*)::int FROM pg_stat_activity
+			WHERE application_name = $1 AND query LIKE '%fence.history%'`, proxy.GuardApplicationName); n < 2 {
+			return fmt.Errorf("%d listening", n)
+		}
+		return nil
+	})
+
+	forger := connect(t, s.pg.URL("app", "postgres"))
+	mustExec(t, forger, "SELECT pg_notify($1, $2)", fence.Channel, fmt.Sprintf("billing %d reset", tok))
+	eventually(t, 15*time.Second, "the forged notification seen and ignored", func() error {
+		if p.logs.FilterMessageSnippet("ignoring a reset notification").Len() == 0 {
+			return errors.New("not yet")
+		}
+		return nil
+	})
+	if n := p.logs.FilterMessageSnippet("fence reset by an operator").Len(); n != 0 {
+		t.Errorf("the forged notification was taken for a reset (%d log lines)", n)
+	}
+	err := connectErr(p.url(tok))
+	wantCode(t, err, fence.CodeUnavailable)
+	t.Logf("after the forged reset: %v", err)
+
+	// A real reset, to Consul's current token (0 after the plain PUT, so the next holder's 1).
+	if _, err := s.client.Session().Destroy(a, nil); err != nil {
+		t.Fatal(err)
+	}
+	b, low := consulLock(t, s.client, "locks/billing")
+	mustExec(t, s.admin, "SELECT fence.reset('billing', $1)", low)
+	eventually(t, 15*time.Second, "admitted after the operator's reset", func() error { return connectErr(p.url(low, "fence.session="+b)) })
 }

@@ -31,17 +31,13 @@ func consulLock(t *testing.T, c *api.Client, key string) (string, int64) {
 	}
 	// After a holder's session is destroyed, Consul refuses acquires for the
 	// lock-delay (1 ms here): retry through it.
-	deadline := time.Now().Add(5 * time.Second)
-	for {
+	eventually(t, 5*time.Second, "acquire "+key, func() error {
 		ok, _, err := c.KV().Acquire(&api.KVPair{Key: key, Session: id}, nil)
-		if err == nil && ok {
-			break
+		if err == nil && !ok {
+			err = errors.New("not acquired")
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("acquire %s: %v %v", key, ok, err)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+		return err
+	})
 	p, _, err := c.KV().Get(key, &api.QueryOptions{RequireConsistent: true})
 	if err != nil || p == nil || p.Session != id {
 		t.Fatalf("read back %s: %+v %v", key, p, err)
@@ -96,7 +92,7 @@ func startConsulGuarded(t *testing.T, pg *testenv.Postgres, cfg proxy.Config) (*
 	px := testenv.StartProxy(t, pg, cfg, testenv.ProxyOptions{Admitter: g, Registry: reg})
 	// Ready: the watch has synchronised with Consul (until then every token is ZF007, which
 	// a test that connects at once took for a failure under load).
-	eventually(t, "the proxy ready", func() error {
+	eventually(t, 15*time.Second, "the proxy ready", func() error {
 		if why := px.Server.NotReady(ctxT(t)); len(why) > 0 {
 			return fmt.Errorf("not ready: %v", why)
 		}
@@ -109,28 +105,12 @@ func (s *consulSetup) url(tok int64, params ...string) string {
 	return s.proxy.FenceURL("app", "postgres", "billing", tok, params...)
 }
 
-// eventually retries f until it succeeds or 15 s pass.
-func eventually(t *testing.T, what string, f func() error) {
-	t.Helper()
-	deadline := time.Now().Add(15 * time.Second)
-	for {
-		err := f()
-		if err == nil {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: %v", what, err)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
-}
-
 func TestConsulAdmission(t *testing.T) {
 	s := startConsulProxy(t)
 	// The key does not exist: nobody holds the lock (ZF006, whatever the token:
 	// an incarnation of the key that is gone may have issued it). Until the
 	// watch has synchronised, every token is refused with ZF007.
-	eventually(t, "never-held lock refused", func() error {
+	eventually(t, 15*time.Second, "never-held lock refused", func() error {
 		if err := connectErr(s.url(1)); sqlstate(err) != fence.CodeNotHeld {
 			return fmt.Errorf("got %v", err)
 		}
@@ -168,7 +148,7 @@ func TestConsulAdmission(t *testing.T) {
 	if _, _, err := s.client.KV().Release(&api.KVPair{Key: "locks/billing", Session: sess1}, nil); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "released lock refused", func() error {
+	eventually(t, 15*time.Second, "released lock refused", func() error {
 		if err := connectErr(s.url(tok1)); sqlstate(err) != fence.CodeNotHeld {
 			return fmt.Errorf("got %v", err)
 		}
@@ -183,7 +163,7 @@ func TestConsulAdmission(t *testing.T) {
 func TestConsulRequireSession(t *testing.T) {
 	s := startConsulProxy(t, func(c *proxy.Config) { c.ConsulRequireSession = true })
 	id, tok := consulLock(t, s.client, "locks/billing")
-	eventually(t, "the holder admitted", func() error { return connectErr(s.url(tok, "fence.session="+id)) })
+	eventually(t, 15*time.Second, "the holder admitted", func() error { return connectErr(s.url(tok, "fence.session="+id)) })
 	err := connectErr(s.url(tok))
 	wantCode(t, err, fence.CodeMissing)
 	if !strings.Contains(err.Error(), "consul-require-session") {
@@ -210,8 +190,8 @@ func TestConsulHolderName(t *testing.T) {
 	if err != nil || kv == nil {
 		t.Fatalf("read back: %v %v", kv, err)
 	}
-	eventually(t, "admitted", func() error { return connectErr(p.FenceURL("app", "postgres", "billing", int64(kv.LockIndex))) })
-	eventually(t, "holder name in the status", func() error {
+	eventually(t, 15*time.Second, "admitted", func() error { return connectErr(p.FenceURL("app", "postgres", "billing", int64(kv.LockIndex))) })
+	eventually(t, 15*time.Second, "holder name in the status", func() error {
 		st := p.Server.Status(ctxT(t))
 		if len(st.Resources) != 1 || st.Resources[0].Holder != id || st.Resources[0].HolderName != "billing-worker-3" {
 			return fmt.Errorf("status %+v", st.Resources)
@@ -267,7 +247,7 @@ func TestConsulLeaderChange(t *testing.T) {
 		t.Fatalf("new LockIndex %d <= %d", tok2, tok1)
 	}
 	// Proactive raise: the database has tok2 before the new leader connects.
-	eventually(t, "proactive raise", func() error {
+	eventually(t, 15*time.Second, "proactive raise", func() error {
 		if n := count(t, s.admin, "SELECT coalesce(max(token), 0)::int FROM fence.tokens WHERE resource = 'billing'"); int64(n) != tok2 {
 			return fmt.Errorf("stored token %d", n)
 		}
@@ -353,7 +333,7 @@ func TestConsulRegression(t *testing.T) {
 			var admitted int64 // the token c was admitted with
 			tc.regress(t, s.client, holder, tok, func(tok int64) {
 				admitted = tok
-				eventually(t, "admitted", func() error {
+				eventually(t, 15*time.Second, "admitted", func() error {
 					var err error
 					c, err = pgx.Connect(ctxT(t), s.url(tok))
 					return err
@@ -367,7 +347,7 @@ func TestConsulRegression(t *testing.T) {
 			// key is deleted first), then closed.
 			attempt := 0
 			var err error
-			eventually(t, "existing session blocked", func() error {
+			eventually(t, 15*time.Second, "existing session blocked", func() error {
 				attempt++
 				if _, err = c.Exec(ctxT(t), "INSERT INTO items(tag) VALUES ($1)", fmt.Sprint("after-", attempt)); err == nil {
 					return errors.New("the write went through")
@@ -382,7 +362,7 @@ func TestConsulRegression(t *testing.T) {
 			}
 			wantSessionOver(t, c, pgErrorOf(err).Code)
 			// New sessions are refused with ZF007, saying why.
-			eventually(t, "new sessions refused", func() error {
+			eventually(t, 15*time.Second, "new sessions refused", func() error {
 				err := connectErr(s.url(admitted))
 				if sqlstate(err) != fence.CodeUnavailable || !strings.Contains(err.Error(), "went backwards") {
 					return fmt.Errorf("got %v", err)
@@ -441,7 +421,7 @@ func TestConsulOutageUnderLoad(t *testing.T) {
 	time.Sleep(300 * time.Millisecond)
 	s.consul.Stop(t)
 	before := ok.Load()
-	eventually(t, "new sessions refused while Consul is down", func() error {
+	eventually(t, 15*time.Second, "new sessions refused while Consul is down", func() error {
 		if err := connectErr(s.url(tok)); sqlstate(err) != fence.CodeUnavailable {
 			return fmt.Errorf("got %v", err)
 		}
@@ -452,7 +432,7 @@ func TestConsulOutageUnderLoad(t *testing.T) {
 		t.Fatal("admitted sessions stopped writing while Consul was down")
 	}
 	s.consul.Start(t)
-	eventually(t, "new sessions admitted after Consul is back", func() error { return connectErr(s.url(tok)) })
+	eventually(t, 15*time.Second, "new sessions admitted after Consul is back", func() error { return connectErr(s.url(tok)) })
 	stop()
 	wg.Wait()
 	if failed.Load() != 0 {
@@ -471,8 +451,8 @@ func TestConsulDownTrustDatabase(t *testing.T) {
 		t.Fatal(err)
 	}
 	_, tok := consulLock(t, s.client, "locks/billing") // >= 2
-	eventually(t, "admitted while Consul is up", func() error { return connectErr(s.url(tok)) })
+	eventually(t, 15*time.Second, "admitted while Consul is up", func() error { return connectErr(s.url(tok)) })
 	s.consul.Stop(t)
-	eventually(t, "admitted while Consul is down", func() error { return connectErr(s.url(tok)) })
+	eventually(t, 15*time.Second, "admitted while Consul is down", func() error { return connectErr(s.url(tok)) })
 	wantCode(t, connectErr(s.url(tok-1)), fence.CodeStale)
 }

@@ -54,7 +54,7 @@ func TestEtcdGuard(t *testing.T) {
 
 	wantCode(t, connectErr(url(1)), fence.CodeNotHeld)
 	a := campaign("a")
-	eventually(t, "the first leader's token raised", func() error {
+	eventually(t, 15*time.Second, "the first leader's token raised", func() error {
 		if got := stored(); got != a.Token() {
 			return fmt.Errorf("stored token %d, want %d", got, a.Token())
 		}
@@ -69,7 +69,7 @@ func TestEtcdGuard(t *testing.T) {
 		t.Fatal(err)
 	}
 	b := campaign("b")
-	eventually(t, "the new leader's token raised", func() error {
+	eventually(t, 15*time.Second, "the new leader's token raised", func() error {
 		if got := stored(); got != b.Token() {
 			return fmt.Errorf("stored token %d, want %d", got, b.Token())
 		}
@@ -96,7 +96,7 @@ func TestEtcdGuard(t *testing.T) {
 		t.Fatal(err)
 	}
 	c := campaign("c")
-	eventually(t, "the third leader admitted", func() error { return connectErr(url(c.Token())) })
+	eventually(t, 15*time.Second, "the third leader admitted", func() error { return connectErr(url(c.Token())) })
 	if err := c.Release(ctxT(t)); err != nil {
 		t.Fatal(err)
 	}
@@ -105,7 +105,7 @@ func TestEtcdGuard(t *testing.T) {
 	// is refused: the restored leader's (b's, lower than the highest admitted) early, as
 	// stale; any other, even one admitted before, with ZF007.
 	etcd.Restore(t, backup)
-	eventually(t, "fail closed after the restore", func() error {
+	eventually(t, 15*time.Second, "fail closed after the restore", func() error {
 		err := connectErr(url(c.Token()))
 		if sqlstate(err) != fence.CodeUnavailable {
 			return fmt.Errorf("session with the last admitted token: %v, want ZF007", err)

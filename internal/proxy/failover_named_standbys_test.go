@@ -30,7 +30,7 @@ func TestFailoverNamedStandbyPromotedIsNotWaitedFor(t *testing.T) {
 
 	vip.failover(t, sb)
 	waitNewTimeline(t, px)
-	eventually(t, "the leader is admitted on the promoted standby", writes(px, 2))
+	eventually(t, 30*time.Second, "the leader is admitted on the promoted standby", writes(px, 2))
 }
 
 // writes is a session of token tok for billing through px that inserts a row: nil once

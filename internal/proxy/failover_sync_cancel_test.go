@@ -28,7 +28,7 @@ func TestFailoverSyncStandbyCancelledWaitAdmitsNobody(t *testing.T) {
 	if err := connectErr(px.FenceURL("app", "postgres", "billing", 2)); err == nil {
 		t.Fatal("the session raising to 2 started with its synchronous standby cut off")
 	}
-	if got := storedToken(t, pg); got != 2 {
+	if got := storedToken(t, connect(t, pg.AdminURL()), "billing"); got != 2 {
 		t.Fatalf("the primary stores %d, want 2 (the raise whose wait the login timeout cancelled)", got)
 	}
 	if err := connectErr(px.FenceURL("app", "postgres", "billing", 2)); err == nil {
@@ -41,7 +41,7 @@ func TestFailoverSyncStandbyCancelledWaitAdmitsNobody(t *testing.T) {
 	errc := make(chan error, 1)
 	go func() { errc <- connectErr(slow.FenceURL("app", "postgres", "billing", 3)) }()
 	admin := connect(t, pg.AdminURL())
-	eventually(t, "the bind waits for the synchronous standby", func() error {
+	eventually(t, 30*time.Second, "the bind waits for the synchronous standby", func() error {
 		var n int
 		if err := admin.QueryRow(ctxT(t), "SELECT count(*) FILTER (WHERE pg_cancel_backend(pid)) FROM pg_stat_activity WHERE wait_event = 'SyncRep' AND usename = 'app'").Scan(&n); err != nil {
 			return err
@@ -59,5 +59,5 @@ func TestFailoverSyncStandbyCancelledWaitAdmitsNobody(t *testing.T) {
 	}
 
 	sb.HealReplication()
-	eventually(t, "token 3 admitted once the standby streams again", writes(px, 3))
+	eventually(t, 30*time.Second, "token 3 admitted once the standby streams again", writes(px, 3))
 }

@@ -10,7 +10,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/fenceproxy/fenceproxy/internal/faulthop"
-
 	"github.com/fenceproxy/fenceproxy/internal/fence"
 	"github.com/fenceproxy/fenceproxy/internal/proxy"
 	"github.com/fenceproxy/fenceproxy/internal/testenv"
@@ -33,18 +32,6 @@ func failoverProxy(t *testing.T, pg *testenv.Postgres, standbys ...string) *test
 	})
 }
 
-// storedToken is fence.tokens' token for billing on p (0: no row).
-func storedToken(t *testing.T, p *testenv.Postgres) int64 {
-	t.Helper()
-	conn := connect(t, p.AdminURL())
-	var tok int64
-	err := conn.QueryRow(ctxT(t), "SELECT coalesce((SELECT token FROM fence.tokens WHERE resource = 'billing'), 0)").Scan(&tok)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return tok
-}
-
 // TestFailoverStandbyFlushedBeforeSessionStarts (issue 21, setup 1, async standby, bare
 // tokens): a session whose bind raised to 34 starts only once the standby has flushed the
 // raise, so that after the primary's crash and the standby's promotion 34 is still the stored
@@ -62,7 +49,7 @@ func TestFailoverStandbyFlushedBeforeSessionStarts(t *testing.T) {
 	pg.Kill(t)
 	sb.Promote(t)
 
-	if got := storedToken(t, sb.Postgres); got != 34 {
+	if got := storedToken(t, connect(t, sb.Postgres.AdminURL()), "billing"); got != 34 {
 		t.Fatalf("after the failover the stored token is %d, want 34 (the raise acknowledged before it)", got)
 	}
 	after := testenv.StartProxy(t, sb.Postgres, proxy.Config{Resources: []string{"billing"}})
@@ -88,7 +75,7 @@ func TestFailoverStandbyNotConfirmingFailsClosed(t *testing.T) {
 	} {
 		t.Run(strings.Join(tc.standbys, ","), func(t *testing.T) {
 			px := failoverProxy(t, pg, tc.standbys...)
-			tok := storedToken(t, pg) + 1
+			tok := storedToken(t, connect(t, pg.AdminURL()), "billing") + 1
 			connect(t, px.FenceURL("app", "postgres", "billing", tok)).Close(ctxT(t))
 
 			sb.CutReplication()
@@ -143,7 +130,7 @@ func TestFailoverProxyFollowsNewPrimary(t *testing.T) {
 	vip.failover(t, sb)
 	waitNewTimeline(t, px)
 	// The control connection counts the change, then reads the new primary's tokens.
-	eventually(t, "the proxy rebased on the new primary's tokens", func() error {
+	eventually(t, 15*time.Second, "the proxy rebased on the new primary's tokens", func() error {
 		if h := px.Registry.Highest("postgres", "billing"); h != 33 {
 			return fmt.Errorf("after the failover the proxy knows token %d, want 33 (the new primary's)", h)
 		}
@@ -186,13 +173,12 @@ func (v *vip) failover(t *testing.T, sb *testenv.Standby) {
 // (it counts it before it reads the new primary's tokens).
 func waitNewTimeline(t *testing.T, px *testenv.Proxy) {
 	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for testutil.ToFloat64(px.Metrics.UpstreamChanges.WithLabelValues("timeline")) < 1 {
-		if time.Now().After(deadline) {
-			t.Fatalf("the proxy did not notice the new timeline within 30 s (it knows token %d)", px.Registry.Highest("postgres", "billing"))
+	eventually(t, 30*time.Second, "the proxy notices the new timeline", func() error {
+		if testutil.ToFloat64(px.Metrics.UpstreamChanges.WithLabelValues("timeline")) < 1 {
+			return fmt.Errorf("no timeline change seen (it knows token %d)", px.Registry.Highest("postgres", "billing"))
 		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		return nil
+	})
 }
 
 // TestFailoverSyncStandbyRoleSyncCommitOff (issue 21, setup 3): with a synchronous standby
@@ -213,11 +199,11 @@ func TestFailoverSyncStandbyRoleSyncCommitOff(t *testing.T) {
 	if err == nil {
 		pg.Kill(t)
 		sb.Promote(t)
-		t.Fatalf("the session raising to 34 started with its synchronous standby cut off; after the failover the stored token is %d", storedToken(t, sb.Postgres))
+		t.Fatalf("the session raising to 34 started with its synchronous standby cut off; after the failover the stored token is %d", storedToken(t, connect(t, sb.Postgres.AdminURL()), "billing"))
 	}
 	pg.Kill(t)
 	sb.Promote(t)
-	if got := storedToken(t, sb.Postgres); got != 33 {
+	if got := storedToken(t, connect(t, sb.Postgres.AdminURL()), "billing"); got != 33 {
 		t.Fatalf("stored token %d after the failover, want 33", got)
 	}
 }

@@ -86,7 +86,7 @@ func failoverTwoProxies(t *testing.T, start func(pg *testenv.Postgres, cfg proxy
 	write := func(h lockHolder, tag string) {
 		t.Helper()
 		for i, px := range proxies {
-			eventually(t, fmt.Sprintf("%s admitted through proxy %d", tag, i+1), func() error {
+			eventually(t, 15*time.Second, fmt.Sprintf("%s admitted through proxy %d", tag, i+1), func() error {
 				conn, err := tryConnect(url(px, h))
 				if err != nil {
 					return err
@@ -108,8 +108,9 @@ func failoverTwoProxies(t *testing.T, start func(pg *testenv.Postgres, cfg proxy
 	if b.token <= a.token {
 		t.Fatalf("b's token %d is not above a's %d", b.token, a.token)
 	}
-	eventually(t, "b's token raised on the primary", func() error {
-		if got := storedToken(t, pg); got != b.token {
+	primary := connect(t, pg.AdminURL())
+	eventually(t, 15*time.Second, "b's token raised on the primary", func() error {
+		if got := storedToken(t, primary, "billing"); got != b.token {
 			return fmt.Errorf("stored token %d, want %d", got, b.token)
 		}
 		return nil
@@ -117,7 +118,7 @@ func failoverTwoProxies(t *testing.T, start func(pg *testenv.Postgres, cfg proxy
 	write(b, "b lost")
 
 	v.failover(t, sb)
-	if got := storedToken(t, sb.Postgres); got != a.token {
+	if got := storedToken(t, connect(t, sb.Postgres.AdminURL()), "billing"); got != a.token {
 		t.Fatalf("the new primary stores token %d, want a's %d (b's raise was not replicated): the scenario needs the lost raise", got, a.token)
 	}
 	// a is refused through each proxy, before and after it noticed the new timeline.
@@ -150,7 +151,7 @@ func failoverTwoProxies(t *testing.T, start func(pg *testenv.Postgres, cfg proxy
 	if n := count(t, check, "SELECT count(*)::int FROM items WHERE tag = 'b'"); n != len(proxies) {
 		t.Errorf("%d rows of b on the new primary, want %d", n, len(proxies))
 	}
-	if got := storedToken(t, sb.Postgres); got != b.token {
+	if got := storedToken(t, connect(t, sb.Postgres.AdminURL()), "billing"); got != b.token {
 		t.Errorf("the new primary stores token %d, want b's %d", got, b.token)
 	}
 }

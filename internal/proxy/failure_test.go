@@ -366,17 +366,13 @@ func testMaxClients(t *testing.T, s *suite) {
 	err := connectErr(url)
 	wantCode(t, err, wire.CodeTooManyConnections)
 	first.Close(ctxT(t))
-	deadline := time.Now().Add(5 * time.Second)
-	for {
+	eventually(t, 5*time.Second, "admitted after a client left", func() error {
 		err := connectErr(url)
-		if err == nil {
-			break
-		}
-		if sqlstate(err) != wire.CodeTooManyConnections || time.Now().After(deadline) {
+		if err != nil && sqlstate(err) != wire.CodeTooManyConnections {
 			t.Fatalf("after a client left: %v", err)
 		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		return err
+	})
 }
 
 // testGracefulShutdown: on shutdown the proxy stops accepting, closes idle

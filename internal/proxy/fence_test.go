@@ -370,11 +370,80 @@ func wantEnded(t *testing.T, conn *pgx.Conn, err error, code string) {
 
 func waitStale(t *testing.T, p *testenv.Proxy, database, res string, tok int64) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for p.Registry.Highest(database, res) < tok {
-		if time.Now().After(deadline) {
-			t.Fatalf("proxy did not learn of token %d for %s", tok, res)
+	eventually(t, 10*time.Second, fmt.Sprintf("proxy learns of token %d for %s", tok, res), func() error {
+		if h := p.Registry.Highest(database, res); h < tok {
+			return fmt.Errorf("it knows %d", h)
 		}
-		time.Sleep(5 * time.Millisecond)
+		return nil
+	})
+}
+
+// TestTokensPerDatabase: tokens are per database.
+func TestTokensPerDatabase(t *testing.T) {
+	t.Parallel()
+	e := startStaleEnv(t, []string{"billing"})
+	ctx := ctxEnv(t)
+	if _, err := e.admin.Exec(ctx, `CREATE DATABASE v2other`); err != nil {
+		t.Fatal(err)
+	}
+	otherURL := e.pg.URLWithPassword(testenv.AdminUser, testenv.AdminPassword, "v2other")
+	testenv.Migrate(t, otherURL)
+	e.pg.Exec(t, "GRANT ALL ON DATABASE v2other TO app")
+	other := testenv.Connect(t, otherURL)
+	if _, err := other.Exec(ctx, `CREATE TABLE w (token bigint); GRANT ALL ON w TO app`, pgx.QueryExecModeSimpleProtocol); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.admin.Exec(ctx, `CREATE TABLE w (token bigint); GRANT ALL ON w TO app`, pgx.QueryExecModeSimpleProtocol); err != nil {
+		t.Fatal(err)
+	}
+	write := func(c *pgx.Conn, tok int64) error {
+		_, err := c.Exec(ctx, fmt.Sprintf("INSERT INTO w VALUES (%d)", tok))
+		return err
+	}
+	// 18 in postgres, then 7 in v2other, through the same proxy instance.
+	p18 := testenv.Connect(t, e.a.FenceURL("app", "postgres", "billing", 18))
+	o7 := testenv.Connect(t, e.a.FenceURL("app", "v2other", "billing", 7))
+	if err := write(p18, 18); err != nil {
+		t.Fatal(err)
+	}
+	if err := write(o7, 7); err != nil {
+		t.Fatalf("token 7 in v2other after 18 in postgres: %v", err)
+	}
+	// 19 in postgres ends p18, not o7.
+	if err := e.raise(ctx, "postgres", "billing", 19); err != nil {
+		t.Fatal(err)
+	}
+	if err := write(p18, 18); err == nil {
+		t.Fatal("the session of token 18 wrote after 19 was admitted in its database")
+	}
+	if err := write(o7, 7); err != nil {
+		t.Fatalf("a raise in postgres ended a session of v2other: %v", err)
+	}
+	p19 := testenv.Connect(t, e.b.FenceURL("app", "postgres", "billing", 19))
+	// 8 in v2other ends o7, not p19.
+	if err := e.raise(ctx, "v2other", "billing", 8); err != nil {
+		t.Fatal(err)
+	}
+	if err := write(o7, 7); err == nil {
+		t.Fatal("the session of token 7 wrote after 8 was admitted in its database")
+	}
+	if err := write(p19, 19); err != nil {
+		t.Fatalf("a raise in v2other ended a session of postgres: %v", err)
+	}
+	// Stale tokens are refused at connect, per database.
+	if err := connectErr(e.a.FenceURL("app", "postgres", "billing", 18)); sqlstate(err) != fence.CodeStale {
+		t.Fatalf("18 in postgres: %v, want ZF001", err)
+	}
+	if err := connectErr(e.a.FenceURL("app", "v2other", "billing", 7)); sqlstate(err) != fence.CodeStale {
+		t.Fatalf("7 in v2other: %v, want ZF001", err)
+	}
+	if err := connectErr(e.a.FenceURL("app", "v2other", "billing", 8)); err != nil {
+		t.Fatalf("8 in v2other: %v", err)
+	}
+	var n18, n7 int
+	e.admin.QueryRow(ctx, `SELECT count(*) FROM w WHERE token = 18`).Scan(&n18) //nolint:errcheck
+	other.QueryRow(ctx, `SELECT count(*) FROM w WHERE token = 7`).Scan(&n7)     //nolint:errcheck
+	if n18 != 1 || n7 != 2 {
+		t.Fatalf("rows: %d of 18 in postgres (want 1), %d of 7 in v2other (want 2)", n18, n7)
 	}
 }

@@ -3,6 +3,7 @@ package proxy_test
 import (
 	"fmt"
 	"testing"
+	"time"
 
 	"github.com/hashicorp/consul/api"
 	"github.com/prometheus/client_golang/prometheus"
@@ -25,7 +26,7 @@ func TestFreeLockIsNotBlocked(t *testing.T) {
 	if _, _, err := s.client.KV().Release(&api.KVPair{Key: "locks/billing", Session: sess}, nil); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "the free lock in the status", func() error {
+	eventually(t, 15*time.Second, "the free lock in the status", func() error {
 		st := p.Server.Status(ctxT(t))
 		if len(st.Resources) != 1 || !st.Resources[0].Free || st.Resources[0].Blocked != "" {
 			return fmt.Errorf("status %+v, want free and not blocked", st.Resources)

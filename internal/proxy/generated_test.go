@@ -55,21 +55,21 @@ func TestGeneratedSequences(t *testing.T) {
 	const workers = 4
 	ge := startGenEnv(t, workers)
 	var stats genStats
-	runs := make([]*v2Run, workers)
+	runs := make([]*parallelRun, workers)
 	for w := range runs {
-		runs[w] = &v2Run{name: fmt.Sprintf("worker %d", w)}
+		runs[w] = &parallelRun{name: fmt.Sprintf("worker %d", w)}
 	}
 	var failures atomic.Int64
 	start := time.Now()
-	v2Go(workers, runs, func(w int, r *v2Run) {
+	runParallel(workers, runs, func(w int, r *parallelRun) {
 		for i := w; i < rounds; i += workers {
 			if failures.Load() >= 5 {
 				r.logf("stopped after 5 failed rounds")
 				return
 			}
 			seed := first + uint64(i)
-			rr := &v2Run{name: fmt.Sprintf("seed %d", seed)}
-			v2Go(1, []*v2Run{rr}, func(int, *v2Run) { ge.round(rr, w, seed, &stats) })
+			rr := &parallelRun{name: fmt.Sprintf("seed %d", seed)}
+			runParallel(1, []*parallelRun{rr}, func(int, *parallelRun) { ge.round(rr, w, seed, &stats) })
 			if len(rr.fails) > 0 {
 				failures.Add(1)
 				for _, f := range rr.fails {
@@ -89,11 +89,11 @@ func TestGeneratedSequences(t *testing.T) {
 	const controls = 16
 	var detected atomic.Int64
 	var cstats genStats
-	cruns := make([]*v2Run, workers)
+	cruns := make([]*parallelRun, workers)
 	for w := range cruns {
-		cruns[w] = &v2Run{name: fmt.Sprintf("control worker %d", w)}
+		cruns[w] = &parallelRun{name: fmt.Sprintf("control worker %d", w)}
 	}
-	v2Go(workers, cruns, func(w int, r *v2Run) {
+	runParallel(workers, cruns, func(w int, r *parallelRun) {
 		for i := w; i < controls; i += workers {
 			seed := first + uint64(rounds) + uint64(i)
 			if ge.staleRound(r, w, seed, genSequence(seed), rand.New(rand.NewPCG(seed, 7)), true, &cstats) {
@@ -142,7 +142,7 @@ func (s *genStats) String() string {
 // raise there, so the current runs' must not stand in the stale runs' way).
 
 type genEnv struct {
-	v2Env
+	staleEnv
 	cur, stale *pgxpool.Pool
 }
 
@@ -156,12 +156,12 @@ func startGenEnv(t *testing.T, workers int) *genEnv {
 	pg.CreateRole(t, "app", "app")
 	ge := &genEnv{}
 	ge.pg = pg
-	ge.admin = v2Pool(t, pg.AdminURL())
+	ge.admin = newPool(t, pg.AdminURL())
 	for _, db := range []string{"gen_cur", "gen_stale"} {
 		pg.Exec(t, "CREATE DATABASE "+db)
 		url := pg.URLWithPassword(testenv.AdminUser, testenv.AdminPassword, db)
 		testenv.Migrate(t, url)
-		pool := v2Pool(t, url)
+		pool := newPool(t, url)
 		if db == "gen_cur" {
 			ge.cur = pool
 		} else {
@@ -276,7 +276,7 @@ func genAfterRaise(ctx context.Context, pool *pgxpool.Pool, seed uint64, res str
 // One round: the sequence of seed with a current token (direct and proxied),
 // then with a stale one.
 
-func (ge *genEnv) round(r *v2Run, w int, seed uint64, stats *genStats) {
+func (ge *genEnv) round(r *parallelRun, w int, seed uint64, stats *genStats) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	seq := genSequence(seed)
@@ -284,7 +284,7 @@ func (ge *genEnv) round(r *v2Run, w int, seed uint64, stats *genStats) {
 	rng := rand.New(rand.NewPCG(seed, 7))
 	nonce := fmt.Sprintf("gen-end-%d", seed)
 	params := func(db string, res string, tok int64) map[string]string {
-		return v2Params(db, res, tok, "search_path", fmt.Sprintf("g%d", seed), "lock_timeout", "300ms", "application_name", "gen")
+		return fenceParams(db, res, tok, "search_path", fmt.Sprintf("g%d", seed), "lock_timeout", "300ms", "application_name", "gen")
 	}
 
 	// Current token.
@@ -296,11 +296,11 @@ func (ge *genEnv) round(r *v2Run, w int, seed uint64, stats *genStats) {
 		if err := genSetup(ctx, ge.cur, seed); err != nil {
 			r.fatalf("setup: %v", err)
 		}
-		s, err := v2Dial(addr, p)
+		s, err := dialSession(addr, p)
 		if err != nil {
 			r.fatalf("connect: %v", err)
 		}
-		lines, err := v2Transcript(s, seq.msgs, nonce, time.Minute)
+		lines, err := sessionTranscript(s, seq.msgs, nonce, time.Minute)
 		s.Close()
 		stats.sequences.Add(1)
 		stats.messages.Add(int64(len(seq.msgs)))
@@ -316,12 +316,12 @@ func (ge *genEnv) round(r *v2Run, w int, seed uint64, stats *genStats) {
 		}
 		return result{lines, state}
 	}
-	d := run(v2Addr(ge.pg.Host, ge.pg.Port), params("gen_cur", "", 0))
+	d := run(addrOf(ge.pg.Host, ge.pg.Port), params("gen_cur", "", 0))
 	px := ge.a
 	if rng.IntN(2) == 0 {
 		px = ge.ah
 	}
-	p := run(v2Addr(px.Host, px.Port), params("gen_cur", fmt.Sprintf("gc%d", w), 1))
+	p := run(addrOf(px.Host, px.Port), params("gen_cur", fmt.Sprintf("gc%d", w), 1))
 	if strings.Join(d.lines, "\n") != strings.Join(p.lines, "\n") {
 		r.fatalf("current token: the proxy's session differs from a direct one:\n%s\nsequence:%s", diffLines(d.lines, p.lines), seq.listing())
 	}
@@ -337,12 +337,12 @@ func (ge *genEnv) round(r *v2Run, w int, seed uint64, stats *genStats) {
 // message by the raise. unfenced (the negative control): the stale session
 // is connected straight to PostgreSQL, unbound, and staleRound reports whether
 // the checks saw its rows change after the raise.
-func (ge *genEnv) staleRound(r *v2Run, w int, seed uint64, seq *genSeq, rng *rand.Rand, unfenced bool, stats *genStats) (detected bool) {
+func (ge *genEnv) staleRound(r *parallelRun, w int, seed uint64, seq *genSeq, rng *rand.Rand, unfenced bool, stats *genStats) (detected bool) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	nonce := fmt.Sprintf("gen-end-%d", seed)
 	params := func(db string, res string, tok int64) map[string]string {
-		return v2Params(db, res, tok, "search_path", fmt.Sprintf("g%d", seed), "lock_timeout", "300ms", "application_name", "gen")
+		return fenceParams(db, res, tok, "search_path", fmt.Sprintf("g%d", seed), "lock_timeout", "300ms", "application_name", "gen")
 	}
 	res := fmt.Sprintf("gs%d", w)
 	var tok int64
@@ -357,16 +357,16 @@ func (ge *genEnv) staleRound(r *v2Run, w int, seed uint64, seq *genSeq, rng *ran
 	if listening {
 		px = ge.ah
 	}
-	addr, p := v2Addr(px.Host, px.Port), params("gen_stale", res, tok)
+	addr, p := addrOf(px.Host, px.Port), params("gen_stale", res, tok)
 	if unfenced {
-		addr, p = v2Addr(ge.pg.Host, ge.pg.Port), params("gen_stale", "", 0)
+		addr, p = addrOf(ge.pg.Host, ge.pg.Port), params("gen_stale", "", 0)
 	}
-	s, err := v2Dial(addr, p)
+	s, err := dialSession(addr, p)
 	if err != nil {
 		r.fatalf("stale connect with %d: %v", tok, err)
 	}
 	defer s.Close()
-	started, err := v2BackendStart(ctx, ge.admin, s.PID)
+	started, err := backendStart(ctx, ge.admin, s.PID)
 	if err != nil {
 		r.fatalf("backend_start: %v", err)
 	}
@@ -377,7 +377,7 @@ func (ge *genEnv) staleRound(r *v2Run, w int, seed uint64, seq *genSeq, rng *ran
 	if d := rng.IntN(20); d > 0 {
 		time.Sleep(time.Duration(d) * time.Millisecond)
 	}
-	alive, err := v2BackendAlive(ctx, ge.admin, s.PID, started)
+	alive, err := backendAlive(ctx, ge.admin, s.PID, started)
 	if err != nil {
 		r.fatalf("pg_stat_activity: %v", err)
 	}
@@ -393,7 +393,7 @@ func (ge *genEnv) staleRound(r *v2Run, w int, seed uint64, seq *genSeq, rng *ran
 			break
 		}
 		refused = true
-		if v2Code(err) != fence.CodeRaiseFailed || !strings.Contains(err.Error(), "prepared transactions exist") || attempt == 500 {
+		if sqlstate(err) != fence.CodeRaiseFailed || !strings.Contains(err.Error(), "prepared transactions exist") || attempt == 500 {
 			r.fatalf("raise to %d (attempt %d): %v\nsequence (cut before message %d):%s", tok+1, attempt, err, cut, seq.listing())
 		}
 		// By design: roll back the stale session's, wait for other workers'.
@@ -411,7 +411,7 @@ func (ge *genEnv) staleRound(r *v2Run, w int, seed uint64, seq *genSeq, rng *ran
 	if unfenced {
 		// The unbound session goes on; its prepared transactions stay
 		// prepared, so that the rows of the sequence are compared as they are.
-		if _, err := v2Transcript(s, seq.msgs[cut:], nonce, time.Minute); err != nil {
+		if _, err := sessionTranscript(s, seq.msgs[cut:], nonce, time.Minute); err != nil {
 			r.fatalf("unfenced: %v", err)
 		}
 		s.Close()
@@ -428,10 +428,10 @@ func (ge *genEnv) staleRound(r *v2Run, w int, seed uint64, seq *genSeq, rng *ran
 		}
 		return atEnd != atRaise || after > 0
 	}
-	if alive, err := v2BackendAlive(ctx, ge.admin, s.PID, started); err != nil || alive {
+	if alive, err := backendAlive(ctx, ge.admin, s.PID, started); err != nil || alive {
 		r.fatalf("the stale backend %d is alive after the raise returned (%v)\nsequence (cut before message %d):%s", s.PID, err, cut, seq.listing())
 	}
-	s.send(append(append([]pgproto3.FrontendMessage(nil), seq.msgs[cut:]...), v2Terminator(nonce)...)...) //nolint:errcheck // closed, most likely
+	s.send(append(append([]pgproto3.FrontendMessage(nil), seq.msgs[cut:]...), terminatorMsgs(nonce)...)...) //nolint:errcheck // closed, most likely
 	rest, err := s.finish(20*time.Second, 5)
 	stats.sequences.Add(1)
 	stats.messages.Add(int64(s.sent))
@@ -491,7 +491,7 @@ func (ge *genEnv) staleRound(r *v2Run, w int, seed uint64, seq *genSeq, rng *ran
 		r.errorf("VIOLATION: %d stale rows have a commit timestamp after the raise's\nsequence (cut before message %d):%s", after, cut, seq.listing())
 	}
 	stats.staleRowsAtRise.Add(int64(genRows(atRaise)))
-	if again, err := v2Dial(v2Addr(ge.a.Host, ge.a.Port), params("gen_stale", res, tok)); v2Code(err) != fence.CodeStale {
+	if again, err := dialSession(addrOf(ge.a.Host, ge.a.Port), params("gen_stale", res, tok)); sqlstate(err) != fence.CodeStale {
 		if again != nil {
 			again.Close()
 		}
@@ -577,7 +577,7 @@ func genSequence(seed uint64) *genSeq {
 		case k < 91:
 			g.copy()
 		default:
-			g.emit(v2Q(g.pick("", "-- only a comment", ";")))
+			g.emit(queryMsg(g.pick("", "-- only a comment", ";")))
 		}
 		switch k := g.rng.IntN(100); {
 		case k < 40:
@@ -620,7 +620,7 @@ func (g *gen) query() {
 	for i := range parts {
 		parts[i] = g.sql().sql // parameters make no sense here: errors, deterministic
 	}
-	g.emit(v2Q(strings.Join(parts, "; ")))
+	g.emit(queryMsg(strings.Join(parts, "; ")))
 }
 
 func (g *gen) bindParams(st genStmt) [][]byte {
@@ -696,7 +696,7 @@ func (g *gen) copy() {
 		sql = "COPY (SELECT id, v FROM t ORDER BY id) TO STDOUT"
 	}
 	if g.rng.IntN(2) == 0 {
-		g.emit(v2Q(sql))
+		g.emit(queryMsg(sql))
 		if !out {
 			g.copyData()
 		}

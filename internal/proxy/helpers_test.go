@@ -44,12 +44,27 @@ func connectErr(url string) error {
 	return err
 }
 
+// sqlstate is the one way the tests read a SQLSTATE: that of err's error from the server or
+// the proxy, as pgx reports it (*pgconn.PgError) or as a wireSession's startup does
+// (*serverError); "" if err carries none.
 func sqlstate(err error) string {
-	var pe *pgconn.PgError
-	if errors.As(err, &pe) {
+	if pe := pgErrorOf(err); pe != nil {
 		return pe.Code
 	}
+	var se *serverError
+	if errors.As(err, &se) {
+		return se.resp.Code
+	}
 	return ""
+}
+
+// pgErrorOf returns err's *pgconn.PgError (severity, message, hint...), nil if none.
+func pgErrorOf(err error) *pgconn.PgError {
+	var pe *pgconn.PgError
+	if errors.As(err, &pe) {
+		return pe
+	}
+	return nil
 }
 
 func wantCode(t *testing.T, err error, code string) {
@@ -170,4 +185,39 @@ func metricValue(t *testing.T, reg *prometheus.Registry, name string, want map[s
 		}
 	}
 	return 0, false
+}
+
+// pollEvery is how often eventually asks again (what the most used of the helpers it
+// replaced asked at: a condition may open a session through a proxy each time).
+const pollEvery = 50 * time.Millisecond
+
+// eventually is the one way the tests wait for a condition: it calls cond until cond
+// returns nil, every pollEvery, and fails the test once within has passed, with what and
+// cond's last error (what was still wrong). cond may itself fail the test on an error that
+// waiting cannot cure. Give within room: the machine may be loaded (a wait's timeout is how
+// long a failing test takes to say so, not what a test asserts, unless its comment says so).
+func eventually(t testing.TB, within time.Duration, what string, cond func() error) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for {
+		err := cond()
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: not within %s; last: %v", what, within, err)
+		}
+		time.Sleep(pollEvery)
+	}
+}
+
+// storedToken is the token stored in fence.tokens for res (0: none).
+func storedToken(t *testing.T, admin querier, res string) int64 {
+	t.Helper()
+	var tok int64
+	err := admin.QueryRow(ctxT(t), `SELECT coalesce((SELECT token FROM fence.tokens WHERE resource = $1), 0)`, res).Scan(&tok)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tok
 }

@@ -1,12 +1,9 @@
 package proxy_test
 
 import (
-	"errors"
 	"math"
 	"strings"
 	"testing"
-
-	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
 	"github.com/fenceproxy/fenceproxy/internal/lease"
@@ -29,8 +26,8 @@ func TestLeaseResourceAdmitsNoTokenBeforeItsLease(t *testing.T) {
 
 	err := connectErr(url(math.MaxInt64))
 	wantCode(t, err, fence.CodeNotHeld)
-	var pe *pgconn.PgError
-	if !errors.As(err, &pe) {
+	pe := pgErrorOf(err)
+	if pe == nil {
 		t.Fatalf("%v: not the server's error", err)
 	}
 	for _, w := range []string{"fencing lease missing", `resource "payouts"`, "fenceproxy lock --store postgres --resource payouts"} {

@@ -5,6 +5,7 @@ package proxy_test
 import (
 	"bytes"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"runtime"
 	"strings"
@@ -39,13 +40,12 @@ func TestLoopHandBackMidMessage(t *testing.T) {
 			r.startup(wire.ProtocolVersion30, append([]string{"user", "app", "database", "postgres"}, params...)...)
 			const n = 32 << 20
 			r.send(&pgproto3.Query{String: fmt.Sprintf("SELECT repeat('x', %d) || 'end'", n)})
-			deadline := time.Now().Add(20 * time.Second)
-			for handBacks("full") == full && time.Now().Before(deadline) {
-				time.Sleep(10 * time.Millisecond)
-			}
-			if handBacks("full") == full {
-				t.Fatal("the loop never found the client's socket full")
-			}
+			eventually(t, 20*time.Second, "the loop finds the client's socket full", func() error {
+				if handBacks("full") == full {
+					return errors.New("no hand-back for a full socket")
+				}
+				return nil
+			})
 			var row []byte
 			for {
 				m, err := r.fe.Receive()
@@ -83,13 +83,12 @@ func TestLoopHandBackMidMessage(t *testing.T) {
 	time.Sleep(200 * time.Millisecond) // the loop relays the first half
 	stopped := make(chan struct{})
 	go func() { p.Stop(t); close(stopped) }()
-	deadline := time.Now().Add(20 * time.Second)
-	for handBacks("recall") == recall && time.Now().Before(deadline) {
-		time.Sleep(10 * time.Millisecond)
-	}
-	if handBacks("recall") == recall {
-		t.Fatal("the shutdown did not recall the session from the loop")
-	}
+	eventually(t, 20*time.Second, "the shutdown recalls the session from the loop", func() error {
+		if handBacks("recall") == recall {
+			return errors.New("no recall")
+		}
+		return nil
+	})
 	r.writeRaw(msg[len(msg)/2:])
 	got, err := receiveAll(r)
 	if !isClosed(err) {
@@ -146,6 +145,66 @@ func receiveAll(r *rawConn) ([]string, error) {
 			got = append(got, "error "+m.Code)
 		case *pgproto3.ReadyForQuery:
 			got = append(got, "ready")
+		}
+	}
+}
+
+// The review of the event loop (finding 1): a client wrote a complete query and the first
+// bytes of its next message at once; the goroutine relay kept the query in its writer until
+// the rest of the next message came, so the client never got its answer (16 of 16 with
+// --relay goroutines, and with the loop after a hand-back). And queries written before a
+// message the proxy refuses were never sent: the client got only the FATAL. PostgreSQL
+// answers both at once. Both relays, fenced and not.
+func TestPartialNextMessageDoesNotHoldTheQuery(t *testing.T) {
+	pg, admin := fencedDB(t)
+	const limit = 1 << 20
+	for _, relay := range []string{"loop", "goroutines"} {
+		p := fencedProxy(t, pg, func(c *proxy.Config) {
+			c.Unfenced, c.Relay, c.MaxMessageSize = proxy.UnfencedAllow, relay, limit
+		})
+		for _, params := range [][]string{nil, {"fence.resource", "billing", "fence.token", "1"}} {
+			t.Run(fmt.Sprintf("%s/fenced=%v", relay, params != nil), func(t *testing.T) {
+				next, _ := (&pgproto3.Query{String: "SELECT 2"}).Encode(nil)
+				for cut := 1; cut < len(next); cut++ {
+					r := dialRaw(t, proxyAddr(p))
+					r.startup(wire.ProtocolVersion30, append([]string{"user", "app", "database", "postgres"}, params...)...)
+					b, _ := (&pgproto3.Query{String: "SELECT 1"}).Encode(nil)
+					r.conn.SetDeadline(time.Now().Add(5 * time.Second)) //nolint:errcheck
+					r.writeRaw(append(b, next[:cut]...))
+					if out, err := r.readUntil(1, ""); err != nil {
+						t.Fatalf("cut %d: no answer to the whole query: %v (after %q)", cut, err, out)
+					}
+					r.conn.SetDeadline(time.Now().Add(5 * time.Second)) //nolint:errcheck
+					r.writeRaw(next[cut:])
+					if out, err := r.readUntil(1, ""); err != nil || !strings.Contains(strings.Join(out, " "), `"2"`) {
+						t.Fatalf("cut %d: the second query: %q %v", cut, out, err)
+					}
+					r.conn.Close()
+				}
+
+				// Two INSERTs and a message above the limit in one write: the INSERTs are
+				// answered (and committed), then the FATAL.
+				tag := fmt.Sprintf("refused %s %v", relay, params != nil)
+				var b []byte
+				for range 2 {
+					b, _ = (&pgproto3.Query{String: fmt.Sprintf("INSERT INTO items (tag) VALUES ('%s')", tag)}).Encode(b)
+				}
+				b = append(b, 'Q')
+				b = binary.BigEndian.AppendUint32(b, limit+100)
+				r := dialRaw(t, proxyAddr(p))
+				r.startup(wire.ProtocolVersion30, append([]string{"user", "app", "database", "postgres"}, params...)...)
+				r.writeRaw(b)
+				got, err := receiveAll(r)
+				if !isClosed(err) {
+					t.Fatalf("after the answers: %v, want the connection closed", err)
+				}
+				if want := "ready, ready, error " + wire.CodeProgramLimitExceeded; strings.Join(got, ", ") != want {
+					t.Fatalf("got %q, want %s", got, want)
+				}
+				if n := count(t, admin, `SELECT count(*) FROM items WHERE tag = $1`, tag); n != 2 {
+					t.Fatalf("%d rows committed, want 2", n)
+				}
+			})
 		}
 	}
 }

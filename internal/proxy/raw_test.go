@@ -14,7 +14,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
 
 	"github.com/fenceproxy/fenceproxy/internal/proxy"
@@ -53,15 +52,13 @@ func connectCfg(t *testing.T, url string, mod func(*pgx.ConnConfig)) *pgx.Conn {
 func backendGone(t *testing.T, admin querier, pid uint32, within time.Duration) time.Duration {
 	t.Helper()
 	start := time.Now()
-	for {
-		if count(t, admin, "SELECT count(*) FROM pg_stat_activity WHERE pid = $1", int32(pid)) == 0 {
-			return time.Since(start)
+	eventually(t, within, fmt.Sprintf("backend %d gone from pg_stat_activity", pid), func() error {
+		if count(t, admin, "SELECT count(*) FROM pg_stat_activity WHERE pid = $1", int32(pid)) > 0 {
+			return errors.New("still listed")
 		}
-		if time.Since(start) > within {
-			t.Fatalf("backend %d still in pg_stat_activity after %v", pid, within)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		return nil
+	})
+	return time.Since(start)
 }
 
 // rawConn is a protocol-level client.
@@ -118,6 +115,27 @@ func (r *rawConn) startup(version uint32, params ...string) []string {
 		switch m.(type) {
 		case *pgproto3.ReadyForQuery, *pgproto3.ErrorResponse:
 			return out
+		}
+	}
+}
+
+// startupPID completes a startup that must succeed, and returns the backend's pid.
+func (r *rawConn) startupPID(version uint32, params ...string) uint32 {
+	r.t.Helper()
+	r.writeRaw(startupPacket(version, params...))
+	var pid uint32
+	for {
+		m, err := r.fe.Receive()
+		if err != nil {
+			r.t.Fatalf("startup: %v", err)
+		}
+		switch m := m.(type) {
+		case *pgproto3.BackendKeyData:
+			pid = m.ProcessID
+		case *pgproto3.ErrorResponse:
+			r.t.Fatalf("startup: %s %s: %s", m.Severity, m.Code, m.Message)
+		case *pgproto3.ReadyForQuery:
+			return pid
 		}
 	}
 }
@@ -254,13 +272,4 @@ func diffLines(direct, proxied []string) string {
 	}
 	fmt.Fprintf(&b, "direct (%d messages):\n  %s\nproxy (%d messages):\n  %s", len(direct), strings.Join(direct, "\n  "), len(proxied), strings.Join(proxied, "\n  "))
 	return b.String()
-}
-
-// pgErrorOf returns err's *pgconn.PgError, if any.
-func pgErrorOf(err error) *pgconn.PgError {
-	var pe *pgconn.PgError
-	if errors.As(err, &pe) {
-		return pe
-	}
-	return nil
 }

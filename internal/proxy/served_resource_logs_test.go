@@ -3,6 +3,7 @@ package proxy_test
 import (
 	"fmt"
 	"testing"
+	"time"
 
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -28,7 +29,7 @@ func TestLeaderLogsOnlyForServedResources(t *testing.T) {
 	for tok := 1; tok <= 3; tok++ { // after payroll's: the notifications come in order
 		mustExec(t, admin, "SELECT fence.reset('billing', $1)", tok)
 	}
-	eventually(t, "billing's changes logged", func() error {
+	eventually(t, 15*time.Second, "billing's changes logged", func() error {
 		if n := logs.FilterMessage("leader changed").FilterField(zap.String("resource", "billing")).Len(); n != 2 {
 			return fmt.Errorf("%d leader changes of billing logged, want 2", n)
 		}

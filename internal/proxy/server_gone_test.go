@@ -2,14 +2,13 @@ package proxy_test
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgproto3"
 
 	"github.com/fenceproxy/fenceproxy/internal/faulthop"
 	"github.com/fenceproxy/fenceproxy/internal/proxy"
@@ -43,8 +42,8 @@ func TestServerGoneIsNotBlamedOnARaise(t *testing.T) {
 			mustExec(t, c, "INSERT INTO items (tag, token) VALUES ('a', 3)")
 			tc.stop(t, pg)
 			_, err := c.Exec(ctxT(t), "INSERT INTO items (tag, token) VALUES ('a', 3)")
-			var pe *pgconn.PgError
-			if !errors.As(err, &pe) {
+			pe := pgErrorOf(err)
+			if pe == nil {
 				t.Fatalf("%v, want the proxy's error", err)
 			}
 			if pe.Code != tc.code || !strings.Contains(pe.Hint, "the server went away") || !strings.Contains(pe.Hint, "not a raise") {
@@ -80,24 +79,108 @@ func TestVirtualIPFailoverEndsSessionsAsGone(t *testing.T) {
 	vip.Cut()
 
 	_, err = c.Exec(ctxT(t), "INSERT INTO items (tag, token) VALUES ('b', 34)")
-	var pe *pgconn.PgError
-	if !errors.As(err, &pe) {
+	pe := pgErrorOf(err)
+	if pe == nil {
 		t.Fatalf("%v, want the proxy's error", err)
 	}
 	if pe.Code != wire.CodeConnectionFailure || !strings.Contains(pe.Message, "went away") || !strings.Contains(pe.Hint, "not a raise") {
 		t.Fatalf("%s %q (hint %q), want 08006 saying the server went away, not a raise", pe.Code, pe.Message, pe.Hint)
 	}
-	deadline := time.Now().Add(30 * time.Second)
-	for {
+	eventually(t, 30*time.Second, "the leader reconnects", func() error {
 		c2, err := pgx.Connect(ctxT(t), px.FenceURL("app", "postgres", "billing", 34))
 		if err == nil {
 			mustExec(t, c2, "INSERT INTO items (tag, token) VALUES ('b', 34)")
 			c2.Close(ctxT(t))
-			break
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the leader could not reconnect within 30 s: %v", err)
-		}
-		time.Sleep(100 * time.Millisecond)
+		return err
+	})
+}
+
+// TestServerFatalRelayedAlone: a fenced session whose backend ends with a FATAL of its own (not a raise's
+// 57P01) sees exactly what a direct one sees: the server's FATAL, then the
+// end. (At 76c742c the proxy added, a second later, a FATAL 08006 "the server
+// closed the connection" whose hint blamed a raise. Found by the generated
+// sequences, seed 38.)
+func TestServerFatalRelayedAlone(t *testing.T) {
+	t.Parallel()
+	e := startStaleEnv(t, []string{"ownfatal"})
+	for _, tc := range []struct {
+		name  string
+		msgs  []pgproto3.FrontendMessage
+		sleep time.Duration
+	}{
+		{"08P01 protocol synchronization lost in COPY", frontendMsgs(parseBindExecute("", "", "COPY public.v2_rows (resource, token, tag) FROM STDIN"), queryMsg("SELECT 1")), 0},
+		{"25P03 idle-in-transaction timeout", frontendMsgs(queryMsg("SET idle_in_transaction_session_timeout = '200ms'"), queryMsg("BEGIN")), 700 * time.Millisecond},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			run := func(addr string, params map[string]string) []string {
+				s, err := dialSession(addr, params)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer s.Close()
+				if err := s.send(tc.msgs...); err != nil {
+					t.Fatal(err)
+				}
+				time.Sleep(tc.sleep)
+				rest, err := s.drain(10 * time.Second)
+				if err != nil {
+					t.Fatal(err)
+				}
+				var out []string
+				for _, m := range rest {
+					out = append(out, m.Text)
+				}
+				return append(out, "EOF")
+			}
+			d := run(addrOf(e.pg.Host, e.pg.Port), fenceParams("postgres", "", 0))
+			p := run(addrOf(e.a.Host, e.a.Port), fenceParams("postgres", "ownfatal", 1))
+			if strings.Join(d, "\n") != strings.Join(p, "\n") {
+				t.Fatalf("the proxy's session differs from a direct one:\n%s", diffLines(d, p))
+			}
+			t.Logf("%d messages alike, the last: %s", len(d), shortText(d[len(d)-2]))
+		})
+	}
+}
+
+// TestServerFatalOfFencedSessionRelayedAlone (found by TestGeneratedSequences
+// seed 38 after the F7 fix): when the server ends a fenced session with a
+// FATAL error of its own that is not a raise's 57P01 (here the idle-session
+// timeout, 57P05), the client gets that error and the end of the connection,
+// as directly, and not a second FATAL 08006 "the server closed the
+// connection" with a hint that blames a raise.
+func TestServerFatalOfFencedSessionRelayedAlone(t *testing.T) {
+	t.Parallel()
+	pg, _ := fencedDB(t)
+	p := fencedProxy(t, pg)
+	for _, via := range []struct{ name, addr string }{{"direct", pgAddr(pg)}, {"fenced", proxyAddr(p)}} {
+		t.Run(via.name, func(t *testing.T) {
+			r := dialRaw(t, via.addr)
+			params := []string{"user", "app", "database", "postgres"}
+			if via.name == "fenced" {
+				params = append(params, "fence.resource", "billing", "fence.token", "5")
+			}
+			if tr := r.startup(196608, params...); !strings.HasPrefix(tr[len(tr)-1], "ReadyForQuery") {
+				t.Fatalf("startup: %q", tr)
+			}
+			r.send(&pgproto3.Query{String: "SET idle_session_timeout = '200ms'"})
+			if _, err := r.readUntil(1, ""); err != nil {
+				t.Fatal(err)
+			}
+			r.conn.SetReadDeadline(time.Now().Add(10 * time.Second)) //nolint:errcheck
+			msgs, err := r.readAll()
+			if !isClosed(err) {
+				t.Fatalf("the session did not end: %v", err)
+			}
+			var got []string
+			for _, m := range msgs {
+				if e, ok := m.(*pgproto3.ErrorResponse); ok {
+					got = append(got, e.Severity+" "+e.Code+": "+e.Message)
+				}
+			}
+			if len(got) != 1 || !strings.HasPrefix(got[0], "FATAL 57P05: ") {
+				t.Fatalf("want the server's FATAL 57P05 alone, got %q", got)
+			}
+		})
 	}
 }

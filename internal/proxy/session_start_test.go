@@ -304,3 +304,51 @@ func TestReplicationConnectionBindRefusal(t *testing.T) {
 		t.Errorf("refusal %q: want the server's words (replication connection), without the schema hint", msg)
 	}
 }
+
+// TestDuplicateStartupParameters (F11): PostgreSQL takes the last value of a
+// startup parameter given twice. The proxy must prove its bind for the same
+// database: a startup with database "nosuchdb" then "postgres" binds and
+// works. (A fence parameter given twice with different values is refused.)
+func TestDuplicateStartupParameters(t *testing.T) {
+	t.Parallel()
+	pg, admin := fencedDB(t)
+	p := fencedProxy(t, pg)
+
+	t.Run("database twice", func(t *testing.T) {
+		r := dialRaw(t, proxyAddr(p))
+		pid := r.startupPID(196608, "user", "app", "database", "nosuchdb", "database", "postgres",
+			"fence.resource", "billing", "fence.token", "5")
+		r.send(&pgproto3.Query{String: "INSERT INTO items(tag, token) VALUES ('f11', 5) RETURNING current_database()"})
+		var db string
+		for done := false; !done; {
+			m, err := r.fe.Receive()
+			if err != nil {
+				t.Fatal(err)
+			}
+			switch m := m.(type) {
+			case *pgproto3.DataRow:
+				db = string(m.Values[0])
+			case *pgproto3.ErrorResponse:
+				t.Fatalf("query: %s: %s", m.Code, m.Message)
+			case *pgproto3.ReadyForQuery:
+				done = true
+			}
+		}
+		if db != "postgres" {
+			t.Fatalf("current_database() %q, want postgres (the last value)", db)
+		}
+		if n := count(t, admin, `SELECT count(*) FROM fence.bindings WHERE pid = $1 AND resource = 'billing' AND token = 5`, int32(pid)); n != 1 {
+			t.Fatalf("%d bindings of backend %d to billing 5, want 1", n, pid)
+		}
+	})
+
+	t.Run("fence.token twice", func(t *testing.T) {
+		r := dialRaw(t, proxyAddr(p))
+		tr := r.startup(196608, "user", "app", "database", "postgres",
+			"fence.resource", "billing", "fence.token", "5", "fence.token", "6")
+		end := tr[len(tr)-1]
+		if !strings.HasPrefix(end, "ErrorResponse") || !strings.Contains(end, `"Code":"`+fence.CodeMalformed+`"`) || !strings.Contains(end, "more than once") {
+			t.Fatalf("fence.token given twice with different values: want ZF004, got %s", end)
+		}
+	})
+}

@@ -105,19 +105,15 @@ func makeSynchronous(t *testing.T, pg *testenv.Postgres, standby string) {
 	pg.Exec(t, "ALTER SYSTEM SET synchronous_standby_names = '"+standby+"'")
 	pg.Exec(t, "SELECT pg_reload_conf()")
 	conn := connect(t, pg.AdminURL())
-	deadline := time.Now().Add(10 * time.Second)
-	for {
+	eventually(t, 10*time.Second, "standby "+standby+" sync in pg_stat_replication", func() error {
 		var state string
 		err := conn.QueryRow(ctxT(t), "SELECT coalesce((SELECT sync_state FROM pg_stat_replication WHERE application_name = $1), '')", standby).Scan(&state)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if state == "sync" {
-			return
+		if state != "sync" {
+			return fmt.Errorf("%q, want sync", state)
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("standby %s is %q in pg_stat_replication after 10 s, want sync", standby, state)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		return nil
+	})
 }

@@ -13,7 +13,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
 	"github.com/fenceproxy/fenceproxy/internal/proxy"
@@ -351,8 +350,8 @@ func pgxCell(ctx context.Context, c *cell) (string, string) {
 				return fmt.Errorf("the new holder: %w", err)
 			}
 			_, err = conn.Exec(ctx, "SELECT 1")
-			var pe *pgconn.PgError
-			if !errors.As(err, &pe) || pe.Code != fence.CodeStale {
+			pe := pgErrorOf(err)
+			if pe == nil || pe.Code != fence.CodeStale {
 				return fmt.Errorf("want a *pgconn.PgError %s, got %T %v", fence.CodeStale, err, err)
 			}
 			fmt.Fprintf(&report, "stale: %T %s %s\n", pe, pe.Code, pe.Message)

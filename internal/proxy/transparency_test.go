@@ -6,6 +6,7 @@ import (
 	"crypto/md5" //nolint:gosec // compared with PostgreSQL's md5(), not for security
 	"crypto/sha256"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"reflect"
@@ -613,13 +614,12 @@ func testCancel(t *testing.T, e tenv) {
 // waitActive waits until backend pid runs a query containing text.
 func waitActive(t *testing.T, admin querier, pid uint32, text string) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for count(t, admin, "SELECT count(*) FROM pg_stat_activity WHERE pid = $1 AND state = 'active' AND query LIKE '%' || $2 || '%'", int32(pid), text) == 0 {
-		if time.Now().After(deadline) {
-			t.Fatalf("backend %d never ran %q", pid, text)
+	eventually(t, 10*time.Second, fmt.Sprintf("backend %d runs %q", pid, text), func() error {
+		if count(t, admin, "SELECT count(*) FROM pg_stat_activity WHERE pid = $1 AND state = 'active' AND query LIKE '%' || $2 || '%'", int32(pid), text) == 0 {
+			return errors.New("not running it")
 		}
-		time.Sleep(10 * time.Millisecond)
-	}
+		return nil
+	})
 }
 
 // largeText returns n bytes (a multiple of 64 KiB) of printable ASCII in

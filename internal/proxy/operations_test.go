@@ -2,6 +2,7 @@ package proxy_test
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net"
 	"net/http"
@@ -19,9 +20,9 @@ import (
 	"github.com/fenceproxy/fenceproxy/internal/testenv"
 )
 
-// TestOperationsReview holds the regressions of an adversarial review of operations (issue
+// TestOperations holds the regressions of an adversarial review of operations (issue
 // 13's), on one cluster: each subtest starts its own proxy.
-func TestOperationsReview(t *testing.T) {
+func TestOperations(t *testing.T) {
 	t.Parallel()
 	pg, admin := fencedDB(t)
 
@@ -56,11 +57,13 @@ func TestOperationsReview(t *testing.T) {
 		}
 		// Each bind happens whatever the client did (the proxy reads nothing of it then);
 		// once all are done, stopping the proxy waits for every session's end.
-		waitFor(t, "every bind done", func() (bool, string) {
+		eventually(t, time.Minute, "every bind done", func() error {
 			var m dto.Metric
 			p.Metrics.BindSeconds.WithLabelValues("bound").(prometheus.Histogram).Write(&m) //nolint:errcheck
-			n := m.GetHistogram().GetSampleCount()
-			return n == uint64(len(hows)*tries), fmt.Sprint(n, " bound")
+			if n := m.GetHistogram().GetSampleCount(); n != uint64(len(hows)*tries) {
+				return fmt.Errorf("%d bound", n)
+			}
+			return nil
 		})
 		p.Stop(t)
 		if n := p.Registry.Sessions("billing"); n != 0 {
@@ -83,13 +86,16 @@ func TestOperationsReview(t *testing.T) {
 		if pe := pgErrorOf(err); pe == nil || !strings.Contains(pe.Message+pe.Detail, "200") {
 			t.Fatalf("the stale session's error does not name the reset's token 200: %v", err)
 		}
-		waitFor(t, "the reset seen as a leader change", func() (bool, string) {
+		eventually(t, time.Minute, "the reset seen as a leader change", func() error {
 			for _, l := range p.Registry.Leaders() {
 				if l.Resource == "other" {
-					return l.Token == 200 && l.Changes == 1, fmt.Sprintf("%+v", l)
+					if l.Token == 200 && l.Changes == 1 {
+						return nil
+					}
+					return fmt.Errorf("%+v", l)
 				}
 			}
-			return false, "no leader of other"
+			return errors.New("no leader of other")
 		})
 	})
 
@@ -123,9 +129,11 @@ func TestOperationsReview(t *testing.T) {
 	t.Run("status shows the configured resources, tokens as strings", func(t *testing.T) {
 		p := fencedProxy(t, pg, func(c *proxy.Config) { c.ControlDatabase = pg.AdminURL() })
 		mustExec(t, admin, "SELECT fence.reset('ghost', 5)")
-		waitFor(t, "the reset of ghost heard", func() (bool, string) {
-			h := p.Registry.Highest("postgres", "ghost")
-			return h == 5, fmt.Sprint(h)
+		eventually(t, time.Minute, "the reset of ghost heard", func() error {
+			if h := p.Registry.Highest("postgres", "ghost"); h != 5 {
+				return fmt.Errorf("highest %d", h)
+			}
+			return nil
 		})
 		wantCode(t, connectErr(p.FenceURL("app", "postgres", "ledger", 1)), fence.CodeUnknown)
 		p.Registry.Observe("postgres", "billing", 9007199254740993)
@@ -148,23 +156,6 @@ func TestOperationsReview(t *testing.T) {
 			t.Errorf("/status JSON does not carry the token as a string:\n%s", b)
 		}
 	})
-}
-
-// waitFor polls cond every 50 ms for up to a minute (the machine may be loaded), and fails
-// the test with cond's last word after that.
-func waitFor(t *testing.T, what string, cond func() (bool, string)) {
-	t.Helper()
-	deadline := time.Now().Add(time.Minute)
-	for {
-		ok, last := cond()
-		if ok {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: not within a minute; last: %s", what, last)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
 }
 
 // TestAdminHosts: an admin listener on loopback answers only requests whose Host is a
