@@ -563,7 +563,7 @@ func (sess *session) checkRole() error {
 // monitorHosts reads each host's role (pg_is_in_recovery()) on the control database's role
 // every --upstream-check-interval until ctx ends: a connection per host, kept open. A host
 // that was primary and now reports recovery (a demoted primary back as a standby) has its
-// sessions ended, named.
+// sessions ended, named; a host that becomes primary ends the fenced sessions on every other.
 func (s *Server) monitorHosts(ctx context.Context) {
 	var first sync.WaitGroup
 	firstDone := func() { s.firstRoundOnce.Do(func() { close(s.firstRound) }) }
@@ -646,7 +646,22 @@ func (s *Server) monitorHost(ctx context.Context, cfg *pgconn.Config, i int, rea
 			s.log.Info("upstream host role", zap.String("host", h.String()), zap.String("role", roleName(role)),
 				zap.String("was", roleName(prev)), zap.String("why", why))
 			if prev == rolePrimary && role == roleStandby {
-				s.endSessionsOn(i, "is a standby now (pg_is_in_recovery())")
+				s.endSessionsOn(i, wire.CodeAdminShutdown, false, func(host string) string {
+					return "terminating connection because the server at " + host + " is a standby now (pg_is_in_recovery())"
+				})
+			}
+			if role == rolePrimary {
+				// Another host that was primary may be frozen (a stopped VM) or cut off, not
+				// down: its fenced sessions could commit there when it wakes, after the new
+				// primary admitted a higher token. They end now; a host still primary too
+				// (a split brain) loses its fenced sessions as well.
+				for j := range s.cfg.upstream.hosts {
+					if j != i {
+						s.endSessionsOn(j, wire.CodeConnectionFailure, true, func(host string) string {
+							return "fenceproxy: the server at " + host + " went away as the primary: " + h.String() + " is the primary now (a failover)"
+						})
+					}
+				}
 			}
 		}
 		select {
@@ -690,20 +705,21 @@ func (s *Server) checkHost(ctx context.Context, cfg *pgconn.Config, conn **pgcon
 	return rolePrimary, ""
 }
 
-// endSessionsOn ends the sessions on host i, saying why (the host is no primary now).
-func (s *Server) endSessionsOn(i int, why string) {
+// endSessionsOn ends the sessions on host i (only the fenced ones: fenced) with code and the
+// message made for the host, saying why (the host is no primary now).
+func (s *Server) endSessionsOn(i int, code string, fenced bool, message func(host string) string) {
 	h := s.cfg.upstream.hosts[i]
 	s.mu.Lock()
 	var on []*session
 	for sess := range s.sessions {
-		if sess.host == i {
+		if sess.host == i && (!fenced || sess.mode == modeFenced) {
 			on = append(on, sess)
 		}
 	}
 	s.mu.Unlock()
 	for _, sess := range on {
-		sess.end(&pgproto3.ErrorResponse{Severity: wire.SeverityFatal, Code: wire.CodeAdminShutdown,
-			Message: fmt.Sprintf("terminating connection because the server at %s %s", h, why),
+		sess.end(&pgproto3.ErrorResponse{Severity: wire.SeverityFatal, Code: code,
+			Message: message(h.String()),
 			Hint:    "fenceproxy: the server went away as a primary (a failover); this was not a raise. Reconnect: new sessions go to the writable primary."})
 	}
 }

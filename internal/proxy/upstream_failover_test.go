@@ -167,11 +167,7 @@ func TestReadyzNotReadyBeforeOnlyStandby(t *testing.T) {
 // is refused, the current one writes.
 func TestMultiHostFailoverWithOpenSessions(t *testing.T) {
 	pg, sb := replicatedDB(t)
-	px := fencedProxy(t, pg, func(c *proxy.Config) {
-		c.Upstream = hostsURL("?target_session_attrs=read-write", pg, sb.Postgres)
-		c.ControlDatabase = controlURL(pg, sb.Postgres)
-		c.UpstreamCheckInterval = 100 * time.Millisecond
-	})
+	px := multiHostProxy(t, pg, sb)
 	connect(t, px.FenceURL("app", "postgres", "billing", 33)).Close(ctxT(t))
 	var open []*pgx.Conn
 	for range 3 {
@@ -219,4 +215,41 @@ func TestMultiHostFailoverWithOpenSessions(t *testing.T) {
 	if h := px.Registry.Highest("postgres", "billing"); h != 34 {
 		t.Fatalf("the proxy knows token %d after the failover, want 34", h)
 	}
+}
+
+// TestMultiHostNewPrimaryEndsFencedSessionsElsewhere: when another host of --upstream becomes
+// the primary, the fenced sessions on the old one end at once, whatever the old one now says:
+// frozen (a stopped VM whose open transaction would commit when it wakes, after the new
+// primary admitted a higher token: a review's F10) or still primary (a split brain). Here the
+// standby is promoted while the primary runs on: the open transaction's COMMIT does not reach
+// the old primary, and nothing of it is there.
+func TestMultiHostNewPrimaryEndsFencedSessionsElsewhere(t *testing.T) {
+	pg, sb := replicatedDB(t)
+	px := multiHostProxy(t, pg, sb)
+	a := connect(t, px.FenceURL("app", "postgres", "billing", 1))
+	mustExec(t, a, "BEGIN")
+	mustExec(t, a, "INSERT INTO items (tag, token) VALUES ('frozen', 1)")
+	sb.Promote(t)
+	eventually(t, 30*time.Second, "the fenced session on the old primary ended", func() error {
+		if a.IsClosed() {
+			return nil
+		}
+		if _, err := a.Exec(ctxT(t), "SELECT 1"); err != nil {
+			return nil
+		}
+		return fmt.Errorf("the session on the old primary still runs statements")
+	})
+	if n := count(t, connect(t, pg.AdminURL()), "SELECT count(*) FROM items WHERE tag = 'frozen'"); n != 0 {
+		t.Fatalf("%d rows of the ended session committed on the old primary", n)
+	}
+}
+
+// multiHostProxy is a fenced proxy whose --upstream and control database list the primary
+// then the standby, the monitor reading their roles every 100 ms.
+func multiHostProxy(t *testing.T, pg *testenv.Postgres, sb *testenv.Standby) *testenv.Proxy {
+	return fencedProxy(t, pg, func(c *proxy.Config) {
+		c.Upstream = hostsURL("?target_session_attrs=read-write", pg, sb.Postgres)
+		c.ControlDatabase = controlURL(pg, sb.Postgres)
+		c.UpstreamCheckInterval = 100 * time.Millisecond
+	})
 }
