@@ -212,7 +212,7 @@ func Unknown(resource string, known []string) *Error {
 func Ended(resource string, token, admitted int64, inFlight bool) *Error {
 	e := Stale(resource, token, admitted)
 	if inFlight {
-		e.Detail = "This session's backend was ended when the higher token was admitted, while a statement of this session was unanswered: a transaction still open was rolled back; if that statement was a COMMIT, it may have committed before the new token was admitted, as when any connection is lost."
+		e.Detail = "This session's backend was ended when the higher token was admitted, while a statement of this session was unanswered: a transaction still open was rolled back; if that statement was a COMMIT, or ran outside a transaction block (autocommit), it may have committed before the new token was admitted, as when any connection is lost."
 	} else {
 		e.Detail = "This session's backend was ended when the higher token was admitted, while the session waited for no answer: a transaction still open was rolled back, and nothing committed that this session was not told of."
 	}
