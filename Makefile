@@ -55,7 +55,7 @@ sqltest:
 # The Promela model of bind, raise and end with failover (model/fence.pml, model/README.md):
 # Spin checks the real model (it must pass) and each negative control (it must fail with a
 # trail), and every fence.<name> it names must exist in migrations/. model-quick is the
-# bounded configuration `make test` runs (about 30 s); model runs every configuration.
+# bounded configuration `make test` runs (about 32 s); model runs every configuration.
 model-quick:
 	bash model/verify.sh quick
 

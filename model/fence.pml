@@ -15,7 +15,11 @@
  *   LEASE       tokens from the PostgreSQL lease (fence.lease_acquire) instead of an external
  *               lock service (Consul, etcd, ZooKeeper: grant, expiry, regression).
  *   SYNC        a synchronous standby: a commit that changes fence state reaches the standby
- *               before anyone sees it. Without: an asynchronous standby.
+ *               before anyone sees it. Without: an asynchronous standby. A bind's commit wait
+ *               for it may be cancelled (D3: the proxy's login timeout, pg_cancel_backend,
+ *               statement_timeout): the commit is then visible on the primary only, with a
+ *               WARNING to the proxy. The proxy is given no standby to wait for itself (the
+ *               synchronous one acknowledges through the commit: docs/failover.md).
  *   NOFAILOVER  no failover.
  * Negative controls, each must give a counterexample:
  *   MUT_EARLY_COMMIT  the raise commits before the backends it ended have exited (no P2 wait).
@@ -28,6 +32,10 @@
  *                     standby has it, and the bind does not check the holder: after a failover
  *                     the lease issues a generation a second time.
  *   MUT_PROXY_CACHE   (with LEASE; progress) a proxy keeps the highest token of a lost timeline.
+ *   MUT_IGNORE_SYNC_WARNING  (with SYNC) the proxy starts the session although its bind's
+ *                     commit answered with the WARNING of a cancelled wait (schema 11's proxy).
+ *   MUT_NONRAISING_ASYNC     (with SYNC) fence.bind's path that raises nothing commits without
+ *                     waiting for the synchronous standby (schema 11's synchronous_commit off).
  */
 
 #ifndef NL
@@ -88,9 +96,12 @@ byte admitted;             /* ghost: the highest token admitted (never lost) */
 #define MAXEXP (MAXTOK - 1)
 #endif
 byte expiries;
+byte cancels;              /* commit waits cancelled so far (D3) */
 
 /* A commit that changes fence state: with SYNC it reaches the standby first
- * (P7 + issue 21: synchronous_commit=on inside the raise whatever the caller set). */
+ * (P7 + issue 21: fence.commit_durably, synchronous_commit=on whatever the caller set). Used
+ * for the lease acquisition and the regression's record, modelled as never cancelled; a
+ * bind's commit, raising or not, may be (SYNC_WAIT below). */
 #if defined(SYNC) && !defined(MUT_ACK_LOCAL)
 #define DURABLE  if :: standby -> stok = ptok; shold = phold; sflag = pflag :: else fi
 #else
@@ -98,8 +109,32 @@ byte expiries;
 #endif
 
 /* issue 21: a raise counts as admitted only once the standbys a failover may promote have
- * flushed it (P7 extended). With SYNC it holds at the commit already. */
+ * flushed it (P7 extended). With SYNC the commit's acknowledgement is that wait (SYNC_WAIT). */
 #define FLUSHED(t)  (!standby || stok >= t)
+
+/* D3, with SYNC: a bind's commit waits for the synchronous standby, which then has everything
+ * the primary committed before it (stok = ptok), or the wait is cancelled (cw = 1): committed
+ * and visible on the primary only, answered with a WARNING. Cancels are bounded (MAXCANCEL):
+ * a fair, always-enabled cancel would refuse every session. The raise's commit
+ * (fence.raise_locked through fence.commit_durably) ... */
+#ifndef MAXCANCEL
+#define MAXCANCEL 1
+#endif
+#if defined(SYNC) && !defined(MUT_ACK_LOCAL)
+#define SYNC_WAIT \
+	if :: standby -> stok = ptok; shold = phold; sflag = pflag; cw = 0 \
+	   :: standby && cancels < MAXCANCEL -> cw = 1; cancels++ \
+	   :: else -> cw = 0 fi
+#else
+#define SYNC_WAIT  cw = 0
+#endif
+/* ... and fence.bind's path that raises nothing, through fence.commit_durably whenever
+ * synchronous_standby_names is set. */
+#if defined(SYNC) && !defined(MUT_NONRAISING_ASYNC)
+#define NONRAISING_WAIT  SYNC_WAIT
+#else
+#define NONRAISING_WAIT  cw = 0
+#endif
 
 #define ADMIT(t)  if :: admitted < t -> admitted = t :: else fi
 
@@ -142,9 +177,10 @@ proctype Leader(byte i)
 {
 	byte t, p, e, j, q;
 	bool v[NL];
+	bool cw;                   /* the bind's commit wait was cancelled: a WARNING (D3) */
 
 idle:
-	atomic { t = 0; p = 0; e = 0; j = 0; q = 0; v[0] = 0; v[1] = 0 }
+	atomic { t = 0; p = 0; e = 0; j = 0; q = 0; v[0] = 0; v[1] = 0; cw = 0 }
 end_idle:
 	if
 #ifdef LEASE
@@ -241,13 +277,14 @@ spath:
 			fi;
 			ASSERT_ONE_HOLDER;
 			bound[i] = t;                                /* fence.bind: the binding commits */
+			NONRAISING_WAIT;                             /* fence.commit_durably (D3) */
 #ifndef MUT_NO_ROWLOCK
 			rowS--;
 #endif
 			if :: cache[p] < ptok -> cache[p] = ptok :: else fi;
-			READY(t); p = 0
+			p = 0
 		}
-		goto session;
+		goto admit;
 
 #ifndef LEASE
 xpath:
@@ -265,31 +302,42 @@ xpath:
 			goto gone
 		:: !pflag && t < ptok -> rowX = NONE; goto gone   /* fence.bind (P3): ZF001 */
 		:: !pflag && t == ptok && phold == i ->
-			/* nothing to raise after all */
-			atomic { ASSERT_ONE_HOLDER; bound[i] = t; rowX = NONE; READY(t); p = 0 };
-			goto session
+			/* nothing to raise after all: fence.bind's path that raises nothing,
+			 * fence.commit_durably (D3) */
+			atomic { ASSERT_ONE_HOLDER; bound[i] = t; NONRAISING_WAIT; rowX = NONE; p = 0 }
 		:: !pflag && t > ptok ->
 			/* fence.raise_locked: the raise, in the bind's transaction */
 			SIGNAL(bound[j] < t);                      /* fence.end_stale (P2) */
 			AWAIT_EXIT;
 			atomic {
 				/* the raise, the holder's record (C3) and the binding commit together */
-				ptok = t; phold = i; DURABLE; NOTIFY(t);
+				ptok = t; phold = i; SYNC_WAIT; NOTIFY(t);
 				ASSERT_ONE_HOLDER;
 				bound[i] = t; rowX = NONE;
 				if :: cache[p] < t -> cache[p] = t :: else fi;
 				p = 0
 			}
 		fi;
-		/* issue 21: the session starts only once the standby has flushed the raise */
-#ifndef MUT_ACK_LOCAL
+#endif
+admit:
+#ifdef SYNC
+		/* internal/proxy (session.go, D3): the proxy refuses (ZF007) a session whose bind's
+		 * COMMIT answered with a WARNING; it closes the connection, the backend exits. */
+#ifndef MUT_IGNORE_SYNC_WARNING
+		if
+		:: cw -> goto exit
+		:: else
+		fi;
+#endif
+#elif !defined(MUT_ACK_LOCAL)
+		/* issue 21 (internal/proxy's wait for --failover-standbys): the session starts only
+		 * once the standby has flushed the bind's commit, and so the raise it rests on */
 		if
 		:: FLUSHED(t)
 		:: killed[i] -> goto exit
 		fi;
 #endif
 		atomic { ADMIT(t); READY(t) };
-#endif
 
 session:
 		/* The bound session runs transactions until it ends or is ended. */

@@ -44,7 +44,7 @@ run() {
 	local ok=no
 	case "$expect:$result" in PASS:PASS|FAIL:FAIL*) ok=yes ;; esac
 	[ $ok = yes ] || fail=1
-	printf '%-28s %-9s expect %-4s %-62s states %-9s depth %-5s %ss  spin %s\n' \
+	printf '%-32s %-9s expect %-4s %-62s states %-9s depth %-5s %ss  spin %s\n' \
 		"$name" "$kind" "$expect" "$result" "${states:-?}" "${depth:-?}" "${secs:-?}" "$*"
 }
 
@@ -60,6 +60,9 @@ run mut-ack-local           FAIL safety   'assertion violated' -DMUT_ACK_LOCAL
 run mut-no-rowlock          FAIL safety   'assertion violated' -DMUT_NO_ROWLOCK
 run mut-lease-reissue       FAIL safety   'assertion violated' -DLEASE -DMUT_LEASE_REISSUE
 run mut-proxy-cache         FAIL progress 'acceptance cycle'   -DLEASE -DMUT_PROXY_CACHE
+# D3: a synchronous standby's commit wait cancelled (the proxy's login timeout, any cancel)
+run mut-ignore-sync-warning FAIL safety   'assertion violated' -DSYNC -DMUT_IGNORE_SYNC_WARNING
+run mut-nonraising-async    FAIL safety   'assertion violated' -DSYNC -DMUT_NONRAISING_ASYNC
 if [ "$mode" = full ]; then
 	run real-external-sync      PASS safety   - -DSYNC
 	run real-lease-sync         PASS safety   - -DLEASE -DSYNC
@@ -70,10 +73,12 @@ if [ "$mode" = full ]; then
 	# the lease answered before the standby has it, holder check kept: no two holders, but
 	# the generation goes back below an admitted one (S1)
 	run mut-ack-local-lease     FAIL safety   'assertion violated' -DLEASE -DMUT_ACK_LOCAL
-	# What each defence answers: without a failover the local acknowledgement and the
-	# lease's re-issue are harmless.
+	# What each defence answers: without a failover the local acknowledgement, the lease's
+	# re-issue and D3's two holes are harmless.
 	run ctl-ack-local-nofailover    PASS safety - -DMUT_ACK_LOCAL -DNOFAILOVER
 	run ctl-reissue-nofailover      PASS safety - -DLEASE -DMUT_LEASE_REISSUE -DNOFAILOVER
+	run ctl-ignore-warning-nofailover   PASS safety - -DSYNC -DMUT_IGNORE_SYNC_WARNING -DNOFAILOVER
+	run ctl-nonraising-async-nofailover PASS safety - -DSYNC -DMUT_NONRAISING_ASYNC -DNOFAILOVER
 	run real-external-noregression  PASS safety - -DNOREGRESSION
 fi
 if [ $fail != 0 ]; then
