@@ -92,7 +92,7 @@ func versionOf(stamped string, info *debug.BuildInfo, ok bool) string {
 		}
 	}
 	if rev == "" {
-		return "unknown (built without VCS information; build with make build, or go build inside the git work tree)"
+		return "unknown (built without VCS information; build with make build, or go build inside the git work tree with -buildvcs=true if GOFLAGS sets -buildvcs=false)"
 	}
 	if len(rev) > 12 {
 		rev = rev[:12]
