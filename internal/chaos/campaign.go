@@ -534,14 +534,21 @@ func (e *env) fault(r int, kind string, t0 time.Duration) []action {
 		}}}
 	case KillProxy:
 		p := e.proxies[e.rng.IntN(proxies)]
+		var restart func()
+		restart = func() {
+			if e.consulDown {
+				// A proxy exits at start when Consul does not answer: start it once Consul is back.
+				e.later(action{e.since() + 100*time.Millisecond, kind + " end", restart})
+				return
+			}
+			if !p.Running() {
+				p.Start(e.tb)
+				p.WaitListening(e.tb)
+			}
+		}
 		return []action{
 			{t0, kind, func() { p.Kill(e.tb); e.res.Faults[kind]++ }},
-			{t0 + span(100*time.Millisecond, ttl), kind + " end", func() {
-				if !p.Running() {
-					p.Start(e.tb)
-					p.WaitListening(e.tb)
-				}
-			}},
+			{t0 + span(100*time.Millisecond, ttl), kind + " end", restart},
 		}
 	case FreezeProxy:
 		p := e.proxies[e.rng.IntN(proxies)]
