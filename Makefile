@@ -87,12 +87,20 @@ gen-long:
 # and a 4-round negative control straight to PostgreSQL (TestCampaign); this runs
 # CHAOS_ROUNDS and CHAOS_CONTROL_ROUNDS (CHAOS_SEED=<seed> replays a campaign's draws,
 # CHAOS_TTL sets the replicas' session TTL, CHAOS_FAULTS=kind,kind limits the faults).
-# About 3-5 s a round; the figures are printed at the end of each campaign.
+# About 3-5 s a round; the figures are printed at the end of each campaign. Then the
+# failover campaign (TestCampaignFailover: a failover in every round, with an asynchronous
+# and with a synchronous standby, CHAOS_FAILOVER_ROUNDS each; its negative control,
+# CHAOS_FAILOVER_CONTROL_ROUNDS); `make test` runs one round of one variant and one of the
+# control.
 CHAOS_ROUNDS         ?= 1000
 CHAOS_CONTROL_ROUNDS ?= 20
+CHAOS_FAILOVER_ROUNDS         ?= 100
+CHAOS_FAILOVER_CONTROL_ROUNDS ?= 10
 chaos: deps
 	CHAOS_ROUNDS=$(CHAOS_ROUNDS) CHAOS_CONTROL_ROUNDS=$(CHAOS_CONTROL_ROUNDS) \
-		$(GO) test -count=1 -timeout 0 -v -run '^TestCampaign$$' ./internal/chaos/
+	CHAOS_FAILOVER_ROUNDS=$(CHAOS_FAILOVER_ROUNDS) CHAOS_FAILOVER_CONTROL_ROUNDS=$(CHAOS_FAILOVER_CONTROL_ROUNDS) \
+	CHAOS_FAILOVER_STANDBY=both \
+		$(GO) test -count=1 -timeout 0 -v -run '^TestCampaign(Failover)?$$' ./internal/chaos/
 
 # cmd/demo: the servers come from internal/testenv; `go run ./cmd/demo --help` lists its settings.
 demo: deps build

@@ -10,6 +10,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -57,6 +58,17 @@ const (
 	// then back by 4 to 10 x TTL (behind the true time by 2 to 5 x TTL), then to the true
 	// time (lease.OffsetFileClock: a Go program's clock is beyond libfaketime's reach).
 	ClockJump = "clock-jump"
+	// Failover cuts the standby's replication, then (TTL/2 to 2 x TTL later) kills the
+	// primary (immediate shutdown) and promotes the standby while the workload runs; a new
+	// standby is then made from the new primary by a base backup (the old primary is gone
+	// for good). Drawn only with Config.Standby (AllFaults leaves it out).
+	Failover = "failover"
+)
+
+// Standby modes (Config.Standby).
+const (
+	StandbyAsync = "async" // asynchronous; the proxies wait for it (--failover-standbys slot:*)
+	StandbySync  = "sync"  // synchronous_standby_names names it; the proxies do not wait
 )
 
 // AllFaults are the kinds a round draws from by default.
@@ -72,14 +84,27 @@ type Config struct {
 	TxDelay   time.Duration // the worker's pause inside each transaction; default 80 ms
 	MaxFaults int           // faults drawn per round, 1 to MaxFaults; default 3
 	Faults    []string      // kinds to draw from; default AllFaults
-	// Always is a kind every round includes (the negative control freezes a leader in every
+	// Always are kinds every round includes (the negative control freezes a leader in every
 	// round, so that it shows what the checker catches); empty: none.
-	Always string
+	Always []string
 	// Direct is the negative control: the replicas connect straight to PostgreSQL (through
 	// the same fault hops), and the harness stores each new Consul LockIndex in fence.tokens
 	// itself (fence.reset): the raises happen and are recorded, but no session is bound, so
 	// nothing enforces them.
 	Direct bool
+	// Standby adds a streaming standby of PostgreSQL, multi-host upstreams (both servers,
+	// target_session_attrs=read-write) and the Failover fault: "" (none), StandbyAsync or
+	// StandbySync.
+	Standby string
+	// ClaimNoLoss: an acknowledged write lost with a failed-over primary is a violation
+	// even with StandbyAsync, where it is otherwise excused and counted (PostgreSQL's
+	// trade-off): the failover's negative control claims of an asynchronous standby what
+	// only a synchronous one gives.
+	ClaimNoLoss bool
+	// FailoverAfterRaise: the failover, once replication is cut, waits (up to 10 x TTL) for
+	// a raise above the token stored at the round's start, so that the raise is lost with
+	// the old primary (the failover's negative control).
+	FailoverAfterRaise bool
 	// Settle bounds the wait for a round's units after its faults are healed; default 90 s.
 	// Pending units after it are a hang.
 	Settle time.Duration
@@ -104,7 +129,14 @@ type Result struct {
 	Failures   []string                   // round failures: violations, hangs, leaked backends
 	Failovers  map[string][]time.Duration // by fault: frozen (TTL or longer) or killed leader to the first commit of a higher token
 	Exited     map[string]int             // servers found exited with no fault stopping them, started again
-	Elapsed    time.Duration
+	// FailoverPauses are the failovers' durations, from the primary's kill to the proxies'
+	// links to the promoted standby opened again (the promotion, the new decoding slot, the
+	// old primary's slot drained, the new standby's base backup).
+	FailoverPauses []time.Duration
+	LostWrites     int // ledger rows committed on a primary after its timeline's switch point: lost with it
+	LostAcked      int // acknowledged attempts among them: excused with StandbyAsync (PostgreSQL's trade-off) unless ClaimNoLoss
+	StaleAcross    int // stale commits whose write came on a later primary than the raise it followed
+	Elapsed        time.Duration
 }
 
 type env struct {
@@ -116,10 +148,17 @@ type env struct {
 
 	fenceBin, chaosBin string
 
-	pg       *testenv.Postgres
-	consul   *testenv.Consul
+	pg     *testenv.Postgres
+	consul *testenv.Consul
+	mu     sync.Mutex // adminURL, which the negative control's admitter reads
+	// adminURL is the current primary's, straight (no hop).
 	adminURL string
+	// pgHops lead to the primary, sbHops to the standby (Config.Standby); a failover swaps them.
 	pgHops   [proxies]*faulthop.Hop
+	sbHops   [proxies]*faulthop.Hop
+	sb       *testenv.Standby
+	standbys int   // standbys made so far: s1, s2...
+	token0   int64 // the leader's token at the round's start (FailoverAfterRaise)
 	appHops  [proxies]*faulthop.Hop
 	proxies  [proxies]*testenv.ProxyProcess
 	replicas [replicas]*testenv.Process
@@ -171,6 +210,9 @@ func Run(tb testing.TB, cfg Config) Result {
 	}
 	if len(cfg.Faults) == 0 {
 		cfg.Faults = AllFaults
+		if cfg.Standby != "" {
+			cfg.Faults = append(slices.Clone(AllFaults), Failover)
+		}
 	}
 	if cfg.Settle <= 0 {
 		cfg.Settle = 90 * time.Second
@@ -186,7 +228,7 @@ func Run(tb testing.TB, cfg Config) Result {
 	}
 	e.reported = map[string]bool{}
 	e.res = Result{Config: cfg, Faults: map[string]int{}, Skipped: map[string]int{}, Refused: map[string]int{}, Failovers: map[string][]time.Duration{}, Exited: map[string]int{}}
-	e.logf("chaos: seed %d, %d rounds, TTL %v, direct %t", cfg.Seed, cfg.Rounds, cfg.TTL, cfg.Direct)
+	e.logf("chaos: seed %d, %d rounds, TTL %v, direct %t, standby %q", cfg.Seed, cfg.Rounds, cfg.TTL, cfg.Direct, cfg.Standby)
 	begin := time.Now()
 	e.setup()
 	for r := 1; r <= cfg.Rounds; r++ {
@@ -208,9 +250,9 @@ func (e *env) setup() {
 	// synchronous_commit on: testenv turns it off for speed, and an immediate shutdown
 	// would then lose acknowledged commits, which is PostgreSQL's documented trade-off and
 	// not what this campaign tests. fsync stays off: a process crash keeps the OS's cache.
-	e.pg = testenv.StartPostgres(tb, testenv.WithConf("wal_level", "logical"), testenv.WithConf("synchronous_commit", "on"))
+	e.pg = testenv.StartPostgres(tb, pgOptions()...)
 	e.pg.Exec(tb, "CREATE DATABASE "+database)
-	e.adminURL = e.pg.URLWithPassword(testenv.AdminUser, testenv.AdminPassword, database)
+	e.setPrimary(e.pg)
 	testenv.Migrate(tb, e.adminURL)
 	e.pg.CreateRole(tb, appRole, "")
 	e.admin(func(ctx context.Context, c *pgx.Conn) error {
@@ -221,24 +263,35 @@ func (e *env) setup() {
 		return err
 	})
 	e.dec = newDecoder(database, resource)
+	if e.cfg.Standby != "" {
+		e.newStandby()
+	}
 	e.consul = testenv.StartConsul(tb)
 
 	keyFile := filepath.Join(e.dir, "proxy.key")
 	if err := os.WriteFile(keyFile, []byte(fmt.Sprintf("%x\n", []byte(testenv.Key))), 0o600); err != nil {
 		tb.Fatal(err)
 	}
-	pgAddr := fmt.Sprintf("%s:%d", e.pg.Host, e.pg.Port)
 	for i := range proxies {
-		h, err := faulthop.Start("", pgAddr)
-		if err != nil {
-			tb.Fatal(err)
+		e.pgHops[i] = e.hop(e.pg)
+		upstream, control := "postgres://"+e.pgHops[i].Addr, fmt.Sprintf("postgres://%s:%s@%s/%s?sslmode=disable",
+			testenv.AdminUser, testenv.AdminPassword, e.pgHops[i].Addr, database)
+		var more []string
+		if e.sb != nil {
+			// Both servers, the primary first; after a failover the first is a standby.
+			e.sbHops[i] = e.hop(e.sb.Postgres)
+			hosts := e.pgHops[i].Addr + "," + e.sbHops[i].Addr
+			upstream = "postgres://" + hosts + "/?target_session_attrs=read-write"
+			control = fmt.Sprintf("postgres://%s:%s@%s/%s?sslmode=disable&target_session_attrs=read-write",
+				testenv.AdminUser, testenv.AdminPassword, hosts, database)
+			if e.cfg.Standby == StandbyAsync && !e.cfg.Direct {
+				// Every physical slot: each standby the campaign makes has one, under a new name.
+				more = []string{"--failover-standbys", "slot:*", "--standby-flush-timeout", "2s"}
+			}
 		}
-		e.pgHops[i] = h
-		tb.Cleanup(func() { _ = h.Close(context.Background()) })
-		control := fmt.Sprintf("postgres://%s:%s@%s/%s?sslmode=disable", testenv.AdminUser, testenv.AdminPassword, h.Addr, database)
-		e.proxies[i] = testenv.StartProxyProcess(tb, e.dir, fmt.Sprintf("proxy-%d", i+1), e.fenceBin,
-			"--upstream", "postgres://"+h.Addr, "--resource", resource+"="+lockKey, "--key-file", keyFile,
-			"--consul-addr", e.consul.Addr, "--control-database", control, "--log-level", "warn")
+		e.proxies[i] = testenv.StartProxyProcess(tb, e.dir, fmt.Sprintf("proxy-%d", i+1), e.fenceBin, append([]string{
+			"--upstream", upstream, "--resource", resource + "=" + lockKey, "--key-file", keyFile,
+			"--consul-addr", e.consul.Addr, "--control-database", control, "--log-level", "warn"}, more...)...)
 		a, err := faulthop.Start("", e.proxies[i].Addr())
 		if err != nil {
 			tb.Fatal(err)
@@ -258,6 +311,40 @@ func (e *env) setup() {
 	// Cleanups run last first: the workers go before the proxies and servers they use
 	// (a supervisor's end does not end its worker, which leads a process group of its own).
 	tb.Cleanup(e.sweepWorkers)
+}
+
+// pgOptions are the settings of the campaign's servers, primary and standbys.
+func pgOptions() []testenv.PGOption {
+	return []testenv.PGOption{testenv.WithConf("wal_level", "logical"), testenv.WithConf("synchronous_commit", "on")}
+}
+
+// hop starts a fault hop to p.
+func (e *env) hop(p *testenv.Postgres) *faulthop.Hop {
+	h, err := faulthop.Start("", fmt.Sprintf("%s:%d", p.Host, p.Port))
+	if err != nil {
+		e.tb.Fatal(err)
+	}
+	e.tb.Cleanup(func() { _ = h.Close(context.Background()) })
+	return h
+}
+
+// setPrimary makes p the server the campaign's own connections go to.
+func (e *env) setPrimary(p *testenv.Postgres) {
+	e.mu.Lock()
+	e.pg, e.adminURL = p, p.URLWithPassword(testenv.AdminUser, testenv.AdminPassword, database)
+	e.mu.Unlock()
+}
+
+// newStandby makes a streaming standby of the primary (a base backup) and, with
+// StandbySync, names it in the primary's synchronous_standby_names.
+func (e *env) newStandby() {
+	e.standbys++
+	name := fmt.Sprintf("s%d", e.standbys)
+	e.sb = testenv.StartStandby(e.tb, e.pg, name, pgOptions()...)
+	if e.cfg.Standby == StandbySync {
+		e.pg.Exec(e.tb, "ALTER SYSTEM SET synchronous_standby_names = '"+name+"'")
+		e.pg.Exec(e.tb, "SELECT pg_reload_conf()")
+	}
 }
 
 // schema is the workload: units that must each be done once, and the ledger that does
@@ -294,7 +381,13 @@ func (e *env) replicaArgv(i int) []string {
 	}
 	// Replicas spread over both proxies: each tries its own first, then the other.
 	first, second := hops[i%proxies], hops[(i+1)%proxies]
-	url := fmt.Sprintf("postgres://%s@%s,%s/%s?sslmode=disable&connect_timeout=5", appRole, first.Addr, second.Addr, database)
+	hosts, attrs := first.Addr+","+second.Addr, ""
+	if e.cfg.Direct && e.sb != nil {
+		// Straight to PostgreSQL: both servers, whichever is the primary.
+		hosts += "," + e.sbHops[i%proxies].Addr + "," + e.sbHops[(i+1)%proxies].Addr
+		attrs = "&target_session_attrs=read-write"
+	}
+	url := fmt.Sprintf("postgres://%s@%s/%s?sslmode=disable&connect_timeout=5%s", appRole, hosts, database, attrs)
 	return []string{e.fenceBin, "lock", "--log-format", "console", "--resource", resource, "--key", lockKey,
 		"--consul-addr", e.consul.Addr, "--ttl", e.cfg.TTL.String(), "--grace", "2s",
 		"--database-url", url, "--clock-offset-file", e.clockFile(), "--", e.chaosBin, "worker"}
@@ -331,9 +424,16 @@ func (e *env) admin(f func(context.Context, *pgx.Conn) error) {
 }
 
 func (e *env) tryAdmin(f func(context.Context, *pgx.Conn) error) error {
+	e.mu.Lock()
+	url := e.adminURL
+	e.mu.Unlock()
+	return tryConn(url, f)
+}
+
+func tryConn(url string, f func(context.Context, *pgx.Conn) error) error {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	conn, err := pgx.Connect(ctx, e.adminURL)
+	conn, err := pgx.Connect(ctx, url)
 	if err != nil {
 		return err
 	}
@@ -409,6 +509,18 @@ func (e *env) round(r int) bool {
 	for u := first + 1; u <= first+int64(e.cfg.Units); u++ {
 		e.required = append(e.required, strconv.FormatInt(u, 10))
 	}
+	if e.sb != nil {
+		// The round's units on the standby before any fault: a failover must not lose them.
+		e.sb.WaitFlushed(e.tb, e.pg.CurrentLSN(e.tb), time.Minute)
+	}
+	if e.cfg.FailoverAfterRaise {
+		// The leader's token: the stored one may be lower (the admitter has not stored the
+		// first yet, or a failover lost the last raise).
+		e.token0 = e.storedToken()
+		if _, _, token, ok := e.awaitLeader(); ok {
+			e.token0 = max(e.token0, token)
+		}
+	}
 
 	kinds := e.draw()
 	var plan []action
@@ -458,10 +570,7 @@ func (e *env) round(r int) bool {
 func (e *env) draw() []string {
 	n := 1 + e.rng.IntN(e.cfg.MaxFaults)
 	perm := e.rng.Perm(len(e.cfg.Faults))
-	var kinds []string
-	if e.cfg.Always != "" {
-		kinds = append(kinds, e.cfg.Always)
-	}
+	kinds := slices.Clone(e.cfg.Always)
 	for _, i := range perm {
 		if len(kinds) >= n {
 			break
@@ -612,6 +721,30 @@ func (e *env) fault(r int, kind string, t0 time.Duration) []action {
 	case CutApp, CutPG:
 		h := hop(kind == CutApp)
 		return []action{{t0, kind, func() { h.Cut(); e.res.Faults[kind]++ }}}
+	case Failover:
+		cut := false
+		return []action{
+			{t0, kind + " cut", func() {
+				// Replication cut first: what the primary commits from now on is lost.
+				if e.sb != nil && !e.pgDown {
+					e.sb.CutReplication()
+					cut = true
+				}
+			}},
+			{t0 + span(ttl/2, 2*ttl), kind, func() {
+				if !cut || e.pgDown {
+					e.res.Skipped[kind]++ // no standby, or a restart fault has the primary down
+					if cut {
+						e.sb.HealReplication()
+					}
+					return
+				}
+				if e.cfg.FailoverAfterRaise {
+					e.awaitRaise(10 * ttl)
+				}
+				e.failover()
+			}},
+		}
 	}
 	e.tb.Fatalf("chaos: unknown fault %q", kind)
 	return nil
@@ -646,8 +779,13 @@ func (e *env) healAll() {
 	for _, pid := range e.workers() {
 		_ = syscall.Kill(pid, syscall.SIGCONT)
 	}
-	for _, h := range append(e.pgHops[:], e.appHops[:]...) {
-		h.Heal()
+	for _, h := range slices.Concat(e.pgHops[:], e.sbHops[:], e.appHops[:]) {
+		if h != nil {
+			h.Heal()
+		}
+	}
+	if e.sb != nil {
+		e.sb.HealReplication()
 	}
 	e.pgDown, e.consulDown = false, false
 	for _, p := range e.proxies {

@@ -86,8 +86,32 @@ func (e *env) collect(r int) {
 		e.fail(r, "history: "+err.Error())
 		return
 	}
-	h := history.History{Raises: e.dec.raises, Writes: e.dec.writes, Outcomes: outcomes, Required: e.required}
+	// Writes lost with a failed-over primary (decode.go): an acknowledged attempt among them
+	// is a lost acknowledged write, which an asynchronous standby allows (PostgreSQL's
+	// documented trade-off, as synchronous_commit = off is; the proxies wait for the
+	// standby's flush of raises only): excused there and counted, a violation otherwise.
+	lost := map[string]bool{}
+	for _, w := range e.dec.lost {
+		lost[w.Attempt] = true
+	}
+	e.res.LostWrites, e.res.LostAcked = len(e.dec.lost), 0
+	for _, o := range outcomes {
+		if o.Result == history.Acked && lost[o.Attempt] {
+			e.res.LostAcked++
+		}
+	}
+	checked := outcomes
+	if e.excuseLoss() {
+		checked = slices.DeleteFunc(slices.Clone(outcomes), func(o history.Outcome) bool { return o.Result == history.Acked && lost[o.Attempt] })
+	}
+	h := history.History{Raises: e.dec.raises, Writes: e.dec.writes, Outcomes: checked, Required: e.required}
 	vs := history.Check(h)
+	e.res.StaleAcross = 0
+	for _, v := range vs {
+		if v.Kind == history.StaleCommit && era(v.Raise.Pos) < era(v.Writes[0].Pos) {
+			e.res.StaleAcross++
+		}
+	}
 	for _, v := range vs {
 		if !e.reported[v.String()] {
 			e.reported[v.String()] = true
@@ -156,12 +180,24 @@ func (e *env) failovers(outcomes []history.Outcome) {
 	}
 }
 
+// excuseLoss: an acknowledged write lost with a failed-over asynchronous standby's primary
+// is no violation.
+func (e *env) excuseLoss() bool { return e.cfg.Standby == StandbyAsync && !e.cfg.ClaimNoLoss }
+
 // Report is the campaign's figures, one per line.
 func (r Result) Report() string {
 	var b strings.Builder
 	mode := "through fenceproxy (2 proxies)"
 	if r.Config.Direct {
 		mode = "straight to PostgreSQL (negative control: raises stored, nothing bound)"
+	}
+	switch {
+	case r.Config.Standby == StandbySync:
+		mode += ", a synchronous standby"
+	case r.Config.Standby == StandbyAsync && r.Config.Direct:
+		mode += ", an asynchronous standby nothing waits for"
+	case r.Config.Standby == StandbyAsync:
+		mode += ", an asynchronous standby (--failover-standbys slot:*)"
 	}
 	fmt.Fprintf(&b, "campaign: %s, seed %d, TTL %v, %d units a round, %v\n", mode, r.Config.Seed, r.Config.TTL, r.Config.Units, r.Elapsed.Round(time.Second))
 	fmt.Fprintf(&b, "rounds: %d\n", r.Rounds)
@@ -190,6 +226,19 @@ func (r Result) Report() string {
 	fmt.Fprintf(&b, "violations: %d (stale-commit %d, duplicate %d, missing %d, lost-ack %d)\n", len(r.Violations),
 		n[history.StaleCommit], n[history.Duplicate], n[history.Missing], n[history.LostAck])
 	fmt.Fprintf(&b, "round failures: %d\n", len(r.Failures))
+	if r.Config.Standby != "" {
+		pauses := "none"
+		if len(r.FailoverPauses) > 0 {
+			pauses = quantiles(r.FailoverPauses)
+		}
+		fmt.Fprintf(&b, "failovers (primary killed, standby promoted; kill to links open again): %s\n", pauses)
+		excused := "violations"
+		if r.Config.Standby == StandbyAsync && !r.Config.ClaimNoLoss {
+			excused = "excused: an asynchronous standby"
+		}
+		fmt.Fprintf(&b, "writes lost with a failed-over primary: %d (acknowledged %d, %s); stale commits across a failover: %d\n",
+			r.LostWrites, r.LostAcked, excused, r.StaleAcross)
+	}
 	var all []time.Duration
 	var byKind []string
 	for k, d := range r.Failovers {

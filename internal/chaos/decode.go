@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -24,12 +25,21 @@ import (
 
 const slotName = "chaos_history"
 
+// eraShift places a primary's commit LSNs above those of the primaries before it (an LSN
+// of a test cluster stays far below 2^48).
+const eraShift = 48
+
+// era is the primary (0: the first; one more at each failover) that committed at pos.
+func era(pos uint64) uint64 { return pos >> eraShift }
+
 // decoder turns the slot's changes into history records.
 type decoder struct {
 	database, resource string
-	seen               map[uint64]bool // commit LSNs already read: after a crash a slot may repeat
+	era                uint64
+	seen               map[uint64]bool // positions already read: after a crash a slot may repeat
 	raises             []history.Raise
 	writes             []history.Write
+	lost               []history.Write // committed on a primary after its switch point: lost with it
 }
 
 func newDecoder(database, resource string) *decoder {
@@ -42,25 +52,56 @@ func createSlot(ctx context.Context, conn *pgx.Conn) error {
 	return err
 }
 
-// read consumes what the slot holds.
+// read consumes what the slot of the current era's primary holds.
 func (d *decoder) read(ctx context.Context, conn *pgx.Conn) error {
-	rows, err := conn.Query(ctx, `SELECT lsn::text, data FROM pg_logical_slot_get_changes($1, NULL, NULL, 'skip-empty-xacts', '1')`, slotName)
+	lines, err := slotChanges(ctx, conn)
 	if err != nil {
 		return err
+	}
+	return d.parse(lines)
+}
+
+// drain reads what is left in the slot of the current era's primary, which a failover
+// replaced by a standby whose timeline switched at switchLSN, moves its writes after the
+// switch point to the lost ones, and starts the next era (whose primary must have a new
+// slot, made before any client commit there).
+func (d *decoder) drain(ctx context.Context, conn *pgx.Conn, switchLSN uint64) error {
+	if err := d.read(ctx, conn); err != nil {
+		return err
+	}
+	d.endEra(switchLSN)
+	return nil
+}
+
+// endEra moves the current era's writes after switchLSN to the lost ones and starts the
+// next era.
+func (d *decoder) endEra(switchLSN uint64) {
+	cut := d.era<<eraShift | switchLSN
+	d.writes = slices.DeleteFunc(d.writes, func(w history.Write) bool {
+		if era(w.Pos) == d.era && w.Pos > cut {
+			d.lost = append(d.lost, w)
+			return true
+		}
+		return false
+	})
+	d.era++
+}
+
+func slotChanges(ctx context.Context, conn *pgx.Conn) ([][2]string, error) {
+	rows, err := conn.Query(ctx, `SELECT lsn::text, data FROM pg_logical_slot_get_changes($1, NULL, NULL, 'skip-empty-xacts', '1')`, slotName)
+	if err != nil {
+		return nil, err
 	}
 	var lines [][2]string
 	for rows.Next() {
 		var lsn, data string
 		if err := rows.Scan(&lsn, &data); err != nil {
 			rows.Close()
-			return err
+			return nil, err
 		}
 		lines = append(lines, [2]string{lsn, data})
 	}
-	if err := rows.Err(); err != nil {
-		return err
-	}
-	return d.parse(lines)
+	return lines, rows.Err()
 }
 
 // parse reads test_decoding's lines (LSN, data): BEGIN, table changes, COMMIT.
@@ -77,6 +118,7 @@ func (d *decoder) parse(lines [][2]string) error {
 			if err != nil {
 				return err
 			}
+			lsn |= d.era << eraShift
 			if d.seen[lsn] {
 				continue
 			}

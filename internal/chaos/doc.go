@@ -13,6 +13,14 @@
 // campaign with the replicas straight to PostgreSQL is the negative control: the checker
 // must find violations there.
 //
+// With a streaming standby (Config.Standby, asynchronous or synchronous) the campaign also
+// fails over: the primary is killed and the standby promoted while the workload runs, the
+// proxies follow through their multi-host upstreams, and the history is read on across the
+// failover (decode.go: one decoding slot per primary, the old primary's lost commits told
+// from the kept ones by the new timeline's switch point). Its negative control claims of an
+// asynchronous standby that no acknowledged write is lost: the checker must find the ones
+// the old primary took with it.
+//
 // Real servers only (internal/testenv starts them); the package is used by its tests, which
 // `make test` (short) and `make chaos` (long) run.
 package chaos
