@@ -313,9 +313,13 @@ func (e *env) setup() {
 	tb.Cleanup(e.sweepWorkers)
 }
 
-// pgOptions are the settings of the campaign's servers, primary and standbys.
+// pgOptions are the settings of the campaign's servers, primary and standbys. A fast
+// shutdown waits for its walsenders to send every WAL record to the standbys, which a cut
+// replication holds until wal_sender_timeout (60 s by default, beyond testenv's stop bound):
+// 5 s here.
 func pgOptions() []testenv.PGOption {
-	return []testenv.PGOption{testenv.WithConf("wal_level", "logical"), testenv.WithConf("synchronous_commit", "on")}
+	return []testenv.PGOption{testenv.WithConf("wal_level", "logical"), testenv.WithConf("synchronous_commit", "on"),
+		testenv.WithConf("wal_sender_timeout", "5s")}
 }
 
 // hop starts a fault hop to p.
