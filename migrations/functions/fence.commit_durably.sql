@@ -12,6 +12,13 @@
 -- function that raises a stored token or writes what an admission rests on: fence.raise_locked
 -- (fence.bind's raise, fence.raise, fence.lease_acquire), fence.reset, fence.consul_admit and
 -- fence.consul_regress. Not granted to PUBLIC.
+--
+-- (D3) A commit whose wait for the synchronous standbys is cancelled returns with a WARNING,
+-- the only sign that the standbys may not have it; fenceproxy refuses a session whose bind's
+-- commit answered so. client_min_messages = error (a startup option, ALTER ROLE ... SET)
+-- would suppress it, so it is lowered to warning for the transaction: the commit's wait runs
+-- before the transaction's settings are undone (RecordTransactionCommit precedes AtEOXact_GUC
+-- in PostgreSQL's CommitTransaction).
 CREATE OR REPLACE FUNCTION fence.commit_durably()
 RETURNS void
 LANGUAGE plpgsql
@@ -22,6 +29,10 @@ AS $fn$
 BEGIN
     IF pg_catalog.current_setting('synchronous_commit') <> 'remote_apply' THEN
         PERFORM pg_catalog.set_config('synchronous_commit', 'on', true);
+    END IF;
+    IF pg_catalog.current_setting('client_min_messages') NOT IN
+        ('debug5', 'debug4', 'debug3', 'debug2', 'debug1', 'log', 'notice', 'warning') THEN
+        PERFORM pg_catalog.set_config('client_min_messages', 'warning', true);
     END IF;
     -- Read by fence.bind, which otherwise turns synchronous_commit off for a bind that raises
     -- nothing. A client that sets it itself only makes its binds wait for the flush.

@@ -6,7 +6,7 @@
 \ir _psql.psql
 
 BEGIN;
-SELECT plan(18);
+SELECT plan(20);
 \ir _helpers.psql
 
 SELECT pg_temp.store_key() \g /dev/null
@@ -28,6 +28,17 @@ SELECT is(pg_temp.bind('s', 'tap-durable', 5), 5::bigint, 'a bind that raises, r
 SELECT is(pg_temp.remote('s', 'SHOW synchronous_commit'), 'on', '... commits with synchronous_commit on (D1)');
 SELECT dblink_exec('s', 'COMMIT') \g /dev/null
 SELECT is(pg_temp.remote('s', 'SHOW synchronous_commit'), 'off', '... for its own transaction only');
+
+-- (D3) A client that asked for no warnings (client_min_messages = error) would not hear that
+-- the commit's wait for the synchronous standbys was cancelled: the raise's transaction lowers
+-- it to warning, for that transaction only (rolled back here: the stored token stays 5).
+SELECT pg_temp.connect('s', 'tap_durable') \g /dev/null
+SELECT dblink_exec('s', 'SET client_min_messages = error') \g /dev/null
+SELECT dblink_exec('s', 'BEGIN') \g /dev/null
+SELECT pg_temp.bind('s', 'tap-durable', 6) \g /dev/null
+SELECT is(pg_temp.remote('s', 'SHOW client_min_messages'), 'warning', 'a raise''s transaction hears warnings whatever the client asked (D3)');
+SELECT dblink_exec('s', 'ROLLBACK') \g /dev/null
+SELECT is(pg_temp.remote('s', 'SHOW client_min_messages'), 'error', '... for its own transaction only');
 
 -- A bind that raises nothing keeps the session's setting (nothing durable changes).
 SELECT pg_temp.connect('s', 'tap_durable') \g /dev/null
