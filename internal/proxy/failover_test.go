@@ -104,6 +104,17 @@ func TestFailoverStandbysConfig(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "slot:NAME") {
 		t.Fatalf("slot: without a name: %v", err)
 	}
+	// A reload applies --failover-standbys (after a failover the operator drops the promoted
+	// standby so), except on a proxy started without the control database the wait reads.
+	srv, err := proxy.New(proxy.Config{Upstream: "postgres://127.0.0.1:5432", Resources: []string{"billing"}, Key: testenv.Key}, proxy.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, skipped, err := srv.Reload(proxy.Config{Upstream: "postgres://127.0.0.1:5432", Resources: []string{"billing"}, Key: testenv.Key,
+		ControlDatabase: "postgres://127.0.0.1/x", FailoverStandbys: []string{"s1"}})
+	if err != nil || !strings.Contains(strings.Join(skipped, "; "), "failover-standbys (needs a restart") {
+		t.Fatalf("reload adding --failover-standbys without a control database at start: skipped %q, %v", skipped, err)
+	}
 }
 
 // TestFailoverProxyFollowsNewPrimary (issue 21, setup 4): a proxy left running while its

@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"slices"
 	"time"
+
+	"github.com/fenceproxy/fenceproxy/internal/standby"
 )
 
 // live is the part of the configuration a reload may change (Server.Reload). Sessions read
@@ -21,12 +23,18 @@ type live struct {
 	adminUsers        []string
 	adminDatabase     string
 	adminAuthDatabase string
+	// the standbys a fenced session's start waits for (--failover-standbys): after a
+	// failover the operator drops the promoted one without a restart
+	failoverStandbys    []string
+	standbys            standby.Set
+	standbyFlushTimeout time.Duration
 }
 
 func newLive(s *settings) *live {
 	return &live{resources: s.resources, names: s.names, maxClients: s.MaxClients, loginTimeout: s.LoginTimeout,
 		unfenced: s.Unfenced, shutdownGrace: s.ShutdownGrace, flapChanges: s.FlapChanges, flapWindow: s.FlapWindow,
-		adminUsers: s.AdminUsers, adminDatabase: s.AdminDatabase, adminAuthDatabase: s.AdminAuthDatabase}
+		adminUsers: s.AdminUsers, adminDatabase: s.AdminDatabase, adminAuthDatabase: s.AdminAuthDatabase,
+		failoverStandbys: s.FailoverStandbys, standbys: s.standbys, standbyFlushTimeout: s.StandbyFlushTimeout}
 }
 
 // conf returns the configuration new sessions start with.
@@ -36,7 +44,9 @@ func (s *Server) conf() *live { return s.live.Load() }
 // from the same sources as at startup: the resources (except those validated against
 // Consul, whose watches start with the proxy: adding, removing or changing a Consul key
 // needs a restart and keeps the resource as it was until then), max-clients, login-timeout, unfenced,
-// shutdown-grace, the flapping thresholds and the admin console's settings. Open sessions go on as they are, and a
+// shutdown-grace, the flapping thresholds, the admin console's settings, failover-standbys
+// and standby-flush-timeout (failover-standbys newly set on a proxy started without a
+// control database needs a restart). Open sessions go on as they are, and a
 // session of a resource the reload removes keeps its binding (the database still fences
 // it). It returns what it changed and what it could not apply (needing a restart); an
 // invalid cfg changes nothing.
@@ -127,6 +137,15 @@ func (s *Server) Reload(cfg Config) (applied, skipped []string, err error) {
 	}
 	change("admin-database", cur.adminDatabase, next.adminDatabase)
 	change("admin-auth-database", cur.adminAuthDatabase, next.adminAuthDatabase)
+	if !slices.Equal(cur.failoverStandbys, next.failoverStandbys) {
+		if old.ControlDatabase == "" && !next.standbys.Empty() {
+			skipped = append(skipped, "failover-standbys (needs a restart: the proxy started without a control database)")
+			next.failoverStandbys, next.standbys = cur.failoverStandbys, cur.standbys
+		} else {
+			applied = append(applied, fmt.Sprintf("failover-standbys %v (were %v)", next.failoverStandbys, cur.failoverStandbys))
+		}
+	}
+	change("standby-flush-timeout", cur.standbyFlushTimeout, next.standbyFlushTimeout)
 	s.live.Store(next)
 	return applied, skipped, nil
 }

@@ -656,7 +656,8 @@ func (sess *session) bind(ctx context.Context) error {
 		&pgproto3.Sync{},
 		&pgproto3.Query{String: "COMMIT"},
 	}
-	standbys := sess.srv.cfg.standbys
+	conf := sess.srv.conf()
+	standbys := conf.standbys
 	answers := 3 // ReadyForQuery after the BEGIN, the Sync and the COMMIT
 	if !standbys.Empty() {
 		// The WAL position after the commit, in the same round trip: the standbys must
@@ -742,7 +743,7 @@ func (sess *session) bind(ctx context.Context) error {
 		err = fatalFence(fe)
 	}
 	if err == nil && !standbys.Empty() {
-		err = sess.waitStandbys(ctx, lsn)
+		err = sess.waitStandbys(ctx, conf, lsn)
 	}
 	outcome := "bound"
 	if err != nil {
@@ -756,13 +757,13 @@ func (sess *session) bind(ctx context.Context) error {
 // before lsn): whether the bind raised the token here or another session's raise did, the
 // session's token is admitted for good only once a failover cannot lose it. A standby that
 // does not confirm within --standby-flush-timeout fails the start, named (fail closed).
-func (sess *session) waitStandbys(ctx context.Context, lsn string) error {
+func (sess *session) waitStandbys(ctx context.Context, conf *live, lsn string) error {
 	s, c := sess.srv, sess.cred
 	if lsn == "" {
 		return fatalFence(fence.Unavailable(c.Resource, "fenceproxy could not read the WAL position of the bind's commit, so it cannot wait for the failover standbys to flush it"))
 	}
 	started := time.Now()
-	err := s.cfg.standbys.WaitFlushed(ctx, s.control, lsn, s.cfg.StandbyFlushTimeout)
+	err := conf.standbys.WaitFlushed(ctx, s.control, lsn, conf.standbyFlushTimeout)
 	s.metrics.standbyWait(err, time.Since(started))
 	if err == nil {
 		return nil
