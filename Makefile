@@ -1,5 +1,5 @@
 # fenceproxy: `make test` is what CI runs (.ci/run).
-.PHONY: all deps build test fmt fmt-check vet proof-labels sqltest model model-quick fuzz gotest gen-long chaos demo bench bench-quick driver-suites psycopg-suite clean
+.PHONY: all deps build test fmt fmt-check vet proof-labels sqltest model model-quick fuzz gotest gen-long failover-matrix chaos demo bench bench-quick driver-suites psycopg-suite clean
 # Prerequisites are steps in order (deps before tests), also under make -j.
 .NOTPARALLEL:
 
@@ -82,6 +82,11 @@ GEN_SEED   ?= 1
 gen-long:
 	FENCEPROXY_GEN_ROUNDS=$(GEN_ROUNDS) FENCEPROXY_GEN_SEED=$(GEN_SEED) \
 		$(GO) test -race -count=1 -timeout 0 -v -run '^TestGeneratedSequences$$' ./internal/proxy/
+
+# TestFailoverMatrix whole (docs/failover.md): every setup, lock service and number of proxies;
+# `make test` runs a subset of it.
+failover-matrix:
+	FENCEPROXY_FAILOVER_MATRIX=1 $(GO) test -race -count=1 -timeout 30m -v -run '^TestFailoverMatrix$$' ./internal/proxy/
 
 # The chaos campaign of internal/chaos, long: `make test` runs 20 rounds through fenceproxy
 # and a 4-round negative control straight to PostgreSQL (TestCampaign); this runs

@@ -29,7 +29,7 @@ func TestFailoverNamedStandbyPromotedIsNotWaitedFor(t *testing.T) {
 	connect(t, px.FenceURL("app", "postgres", "billing", 1)).Close(ctxT(t))
 
 	vip.failover(t, sb)
-	waitNewTimeline(t, px)
+	waitNewTimeline(t, px, "billing")
 	eventually(t, 30*time.Second, "the leader is admitted on the promoted standby", writes(px, 2))
 }
 
