@@ -57,6 +57,9 @@ type Hooks struct {
 	// "server" (another system identifier) or "timeline" (the same cluster on a new timeline:
 	// a promoted standby), once the registry holds the new server's tokens. Nil: not told.
 	Changed func(kind string)
+	// Switching is called as soon as a (re)connection finds another server than the last
+	// one, before the registry forgets the lost timeline's tokens. Nil: not told.
+	Switching func()
 }
 
 // Upstream is the identity of the server a connection reached: its cluster's system
@@ -109,6 +112,9 @@ func FollowUpstream(ctx context.Context, url string, reg *Registry, log *zap.Log
 					zap.String("system_identifier", now.SystemID), zap.Int64("timeline", now.Timeline),
 					zap.String("was_system_identifier", last.SystemID), zap.Int64("was_timeline", last.Timeline))
 				changedKind = kind
+				if h.Switching != nil {
+					h.Switching()
+				}
 			}
 			last = &now
 			return changed

@@ -85,6 +85,13 @@ type Guard struct {
 	addr           string          // Consul's address, for the messages
 	answerTimeout  time.Duration   // how long a session start waits for Consul (--consul-answer-timeout)
 
+	// unconfirmed holds the resources Consul has not answered for since the control
+	// connection found a new server or timeline (a failover): --consul-down trust-database
+	// admits none of them on the database's word, whose tokens may be those of a standby
+	// that missed the last raises (UpstreamSwitched).
+	switchMu    sync.Mutex
+	unconfirmed map[string]bool
+
 	raiseMu sync.Mutex // one raise at a time per Guard: they go in the order of the hand-overs
 
 	// reported is the regression each resource was last reported with, so that one
@@ -164,7 +171,7 @@ func NewGuard(ctx context.Context, cfg Config, opts GuardOptions) (*Guard, error
 	if err != nil {
 		return nil, err
 	}
-	g := &Guard{reg: opts.Registry, log: opts.Logger, keys: map[string]string{}, byKey: map[string]string{}, downMode: s.ConsulDownMode, requireSession: s.ConsulRequireSession, key: s.Key,
+	g := &Guard{reg: opts.Registry, log: opts.Logger, keys: map[string]string{}, byKey: map[string]string{}, unconfirmed: map[string]bool{}, downMode: s.ConsulDownMode, requireSession: s.ConsulRequireSession, key: s.Key,
 		reported: map[string]*lease.RegressionError{}, addr: s.ConsulAddr, answerTimeout: s.ConsulAnswerTimeout}
 	if g.log == nil {
 		g.log = zap.NewNop()
@@ -330,6 +337,9 @@ func (g *Guard) AdmitHolder(ctx context.Context, c fence.Credentials) (string, e
 	vctx, cancel := context.WithTimeout(ctx, g.answerTimeout)
 	st, err := g.watcher.Validate(vctx, key, c.Token, c.Session)
 	cancel()
+	if !errors.Is(err, lease.ErrUnavailable) {
+		g.confirmed(c.Resource)
+	}
 	if err == nil {
 		return st.Session, g.admitRecorded(ctx, c.Resource, key, c.Token, st.Session)
 	}
@@ -354,6 +364,13 @@ func (g *Guard) AdmitHolder(ctx context.Context, c fence.Credentials) (string, e
 	case errors.Is(err, lease.ErrSessionMismatch):
 		return "", fence.HolderMismatch(c.Resource, c.Session, st.Session)
 	case errors.Is(err, lease.ErrUnavailable):
+		if g.downMode == ConsulDownTrustDatabase && g.isUnconfirmed(c.Resource) {
+			fe := g.unreachable(c.Resource, errors.Is(vctx.Err(), context.DeadlineExceeded), err)
+			fe.Message += "; --consul-down trust-database admits no token until Consul has answered once after the failover this proxy saw"
+			fe.Hint = "The database's server changed (a failover): its stored tokens may miss raises the old primary had, so only Consul can tell a stale token from the current one. " +
+				"Check that Consul is up and answers from this host (consul members; curl " + g.addr + "/v1/status/leader); sessions are admitted again once it answers (docs/consul.md: When Consul is unreachable)."
+			return "", fe
+		}
 		if g.downMode == ConsulDownTrustDatabase {
 			// The operator chose availability: the database's raise still
 			// refuses tokens lower than the stored one, but a token Consul
@@ -365,6 +382,28 @@ func (g *Guard) AdmitHolder(ctx context.Context, c fence.Credentials) (string, e
 		return "", g.unreachable(c.Resource, errors.Is(vctx.Err(), context.DeadlineExceeded), err)
 	}
 	return "", fence.Unavailable(c.Resource, err.Error())
+}
+
+// UpstreamSwitched implements upstreamSwitcher: after a failover of the database, no resource
+// is admitted on the database's word (--consul-down trust-database) until Consul answered for it.
+func (g *Guard) UpstreamSwitched() {
+	g.switchMu.Lock()
+	defer g.switchMu.Unlock()
+	for res := range g.keys {
+		g.unconfirmed[res] = true
+	}
+}
+
+func (g *Guard) confirmed(res string) {
+	g.switchMu.Lock()
+	defer g.switchMu.Unlock()
+	delete(g.unconfirmed, res)
+}
+
+func (g *Guard) isUnconfirmed(res string) bool {
+	g.switchMu.Lock()
+	defer g.switchMu.Unlock()
+	return g.unconfirmed[res]
 }
 
 // unreachable is the refusal of a session whose token Consul did not confirm (ErrUnavailable):

@@ -28,6 +28,12 @@ type Admitter interface {
 	Admit(ctx context.Context, c fence.Credentials) error
 }
 
+// upstreamSwitcher is an Admitter told when the control connection finds a new server or
+// timeline behind --upstream (before the registry forgets the lost timeline's tokens).
+type upstreamSwitcher interface {
+	UpstreamSwitched()
+}
+
 // HolderAdmitter is an Admitter that names the holder of the lock whose token it admitted
 // (the Guard: the Consul session). The session's bind then records (token, holder) in its own
 // database before it binds (fence.ConsulBindQuery), and asks Judge what a record that does
@@ -201,6 +207,12 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 				},
 				// A failover: the registry was rebased on the new server's stored tokens.
 				Changed: s.metrics.upstreamChange,
+				// Before the rebase: an Admitter that admits on the database's word must stop first.
+				Switching: func() {
+					if sw, ok := s.admit.(upstreamSwitcher); ok {
+						sw.UpstreamSwitched()
+					}
+				},
 			})
 		}()
 		go s.warnShadowed(listenCtx)
