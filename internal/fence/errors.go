@@ -172,7 +172,7 @@ func Regression(resource, why string) *Error {
 	fe := Unavailable(resource, "LockIndex regression: "+why)
 	fe.Err = errRegression
 	fe.Hint = "An operator must reset the resource: `fenceproxy fence reset --resource " + resource +
-		" --token <the lock's current token>` on the database; proxies whose --control-database is that database follow it at once, restart the others (docs/consul.md: LockIndex regressions)."
+		" --token <the lock's current token> --database <the protected database's URL, as its owner>`; proxies whose --control-database is that database follow it at once, restart the others (docs/consul.md: LockIndex regressions)."
 	return fe
 }
 

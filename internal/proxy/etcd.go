@@ -213,7 +213,7 @@ func (g *EtcdGuard) failClosed(res, why string) {
 	}
 	fe := fence.Unavailable(res, "etcd's revisions went backwards: "+why)
 	fe.Hint = "Restore etcd with etcdutl snapshot restore --bump-revision, or reset the resource's fence (`fenceproxy fence reset --resource " +
-		res + " --token <the new leader's revision>`), then restart the proxies (docs/etcd.md: What a restore does)."
+		res + " --token <the new leader's revision> --database <the protected database's URL>`), then restart the proxies (docs/etcd.md: What a restore does)."
 	g.regress[res] = fe
 	g.log.Error("failing closed: etcd revision regression", zap.String("resource", res), zap.String("store", lease.StoreEtcd), zap.String("why", why))
 	g.reg.Block(res, fe)

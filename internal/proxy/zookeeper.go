@@ -277,7 +277,7 @@ func (g *ZooKeeperGuard) failClosed(res, why string) {
 	fe := fence.Regression(res, why)
 	fe.Message = fence.Unavailable(res, "ZooKeeper's zxids went backwards: "+why).Message
 	fe.Hint = "Tokens (czxids) from this ZooKeeper are no longer above those the database admitted: reset the resource's fence (`fenceproxy fence reset --resource " +
-		res + " --token <the new holder's czxid>`) once the old holders are stopped, then restart the proxies (docs/zookeeper.md: What a restore does)."
+		res + " --token <the new holder's czxid> --database <the protected database's URL>`) once the old holders are stopped, then restart the proxies (docs/zookeeper.md: What a restore does)."
 	g.regress[res] = fe
 	g.metrics.regressions.WithLabelValues(res).Inc()
 	g.log.Error("failing closed: ZooKeeper zxid regression", zap.String("resource", res), zap.String("store", lease.StoreZooKeeper), zap.String("why", why))
