@@ -347,18 +347,22 @@ func runFailoverCase(t *testing.T, s *servers, c failoverCase) {
 	}
 
 	if c.setup == asyncWait {
-		// The standby the proxies wait for is the primary now, under its own name with no
-		// standby streaming under it: it is not waited for (F2), so b is admitted through
-		// every proxy with s1 still in --failover-standbys (the first attempts may still blame
-		// a control connection that pointed at the lost primary). A reload then drops s1
-		// (docs/failover.md) and is applied.
+		// The standby the proxies wait for is the primary now: they fail closed (ZF007 naming
+		// s1 as this primary's own name) until the operator drops it from --failover-standbys
+		// (docs/failover.md), here by a reload: nothing tells the promoted standby's name from
+		// another standby of that name that is cut off (a second review's G2).
 		for i, px := range proxies {
-			eventually(t, 15*time.Second, fmt.Sprintf("b admitted through proxy %d with its --failover-standbys s1 promoted", i+1), func() error {
-				conn, err := tryConnect(url(px, b))
-				if err != nil {
+			// (The first ZF007 may blame a control connection that still pointed at the lost
+			// primary.)
+			eventually(t, 15*time.Second, fmt.Sprintf("proxy %d refuses b with ZF007 naming s1 as the primary's own", i+1), func() error {
+				err := connectErr(url(px, b))
+				if err == nil {
+					t.Fatalf("b admitted through proxy %d, its --failover-standbys s1 promoted and not streaming", i+1)
+				}
+				if sqlstate(err) != fence.CodeUnavailable || !strings.Contains(err.Error(), "standby s1") || !strings.Contains(err.Error(), "own name") {
 					return err
 				}
-				return conn.Close(context.Background())
+				return nil
 			})
 			cfg := proxy.Config{Listen: net.JoinHostPort(px.Host, strconv.Itoa(px.Port))}
 			path.configure(&cs, &cfg, []string{res})

@@ -101,8 +101,11 @@ const FlushedLSNQuery = "SELECT pg_current_wal_flush_lsn()::text"
 // pg_basebackup -R names every standby "walreceiver", and one streaming twin must not confirm
 // for another that is cut off). A name that is this server's own (its cluster_name, or the
 // application_name its primary_conninfo gives, when the role may read it: pg_read_all_settings)
-// and that no standby streams under is not waited for: after a failover the promoted standby is the primary, and the list an
-// operator gave for the whole cluster still holds (the others must stream from it).
+// is waited for all the same, and said to be its own: after a failover to the standby of that
+// name it fails every wait until the operator takes the name out of --failover-standbys (a
+// reload), for nothing tells it from another standby of the same name that is cut off (a
+// symmetric primary_conninfo, Debian's cluster_name on every host: a second review's G2,
+// where skipping it let a stale write commit after the failover).
 const pendingQuery = `
 WITH self AS (
     SELECT n FROM (
@@ -114,7 +117,6 @@ WITH self AS (
     ) x WHERE n IS NOT NULL
 ), want AS (
     SELECT n AS name, 'standby' AS kind FROM unnest($1::text[]) n
-    WHERE n NOT IN (SELECT n FROM self) OR n IN (SELECT application_name FROM pg_stat_replication)
     UNION SELECT n, 'slot' FROM unnest($2::text[]) n
     UNION SELECT slot_name::text, 'slot' FROM pg_replication_slots WHERE $3 AND slot_type = 'physical'
 ), pos AS (
@@ -126,7 +128,10 @@ WITH self AS (
         END AS flushed
     FROM want w
 )
-SELECT coalesce(array_agg(p.kind || ' ' || p.name || CASE WHEN p.flushed IS NULL THEN ' (not streaming)'
+SELECT coalesce(array_agg(p.kind || ' ' || p.name || CASE
+            WHEN p.flushed IS NULL AND p.kind = 'standby' AND p.name IN (SELECT n FROM self)
+                THEN ' (not streaming; it is also this primary''s own name: after a failover to it, take it out of --failover-standbys and reload the proxies)'
+            WHEN p.flushed IS NULL THEN ' (not streaming)'
             ELSE ' (flushed up to ' || p.flushed::text || ')' END ORDER BY p.kind, p.name)
         FILTER (WHERE p.flushed IS NULL OR p.flushed < $4::pg_lsn), '{}'),
     count(*),

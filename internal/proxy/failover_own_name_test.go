@@ -1,0 +1,68 @@
+package proxy_test
+
+import (
+	"context"
+	"net"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/fenceproxy/fenceproxy/internal/fence"
+	"github.com/fenceproxy/fenceproxy/internal/proxy"
+	"github.com/fenceproxy/fenceproxy/internal/testenv"
+)
+
+// TestFailoverStandbyOfThePrimarysOwnNameIsWaitedFor: a name of --failover-standbys that is
+// also the primary's own (here its cluster_name, as Debian's default gives every host; or a
+// symmetric primary_conninfo) is waited for like any other. Skipping it while no standby
+// streamed under it (so that a proxy left running across a failover to that standby would
+// not refuse every session: a review's F2) admitted a raise the cut-off standby of that
+// name never had, and after a failover to it the stale write committed (a second review's
+// G2). So the wait fails closed and says the name is the primary's own; after a failover to
+// that standby the operator takes the name out and reloads, and the leader is admitted.
+func TestFailoverStandbyOfThePrimarysOwnNameIsWaitedFor(t *testing.T) {
+	pg, sb := replicatedDB(t, testenv.WithConf("cluster_name", "s1"))
+	px := failoverProxy(t, pg, "s1")
+	connect(t, px.FenceURL("app", "postgres", "billing", 1)).Close(ctxT(t))
+
+	sb.CutReplication()
+	err := connectErr(px.FenceURL("app", "postgres", "billing", 2))
+	wantCode(t, err, fence.CodeUnavailable)
+	if !strings.Contains(err.Error(), "standby s1 (not streaming; it is also this primary's own name") {
+		t.Fatalf("the refusal does not say s1 is also the primary's own name: %v", err)
+	}
+
+	// A failover to s1 (it stores token 1), behind a proxy that still names it.
+	pg.Kill(t)
+	sb.Promote(t)
+	cfg := proxy.Config{Resources: []string{"billing"}, ControlDatabase: sb.Postgres.AdminURL(),
+		FailoverStandbys: []string{"s1"}, StandbyFlushTimeout: time.Second}
+	after := testenv.StartProxy(t, sb.Postgres, cfg)
+	wantCode(t, connectErr(after.FenceURL("app", "postgres", "billing", 2)), fence.CodeUnavailable)
+	cfg.Listen = net.JoinHostPort(after.Host, strconv.Itoa(after.Port))
+	cfg.Upstream = "postgres://" + net.JoinHostPort(sb.Host, strconv.Itoa(sb.Port))
+	cfg.FailoverStandbys = nil
+	if applied, skipped, err := after.Server.Reload(cfg); err != nil || len(skipped) > 0 || !strings.Contains(strings.Join(applied, "; "), "failover-standbys") {
+		t.Fatalf("reload without s1: applied %q, skipped %q, %v", applied, skipped, err)
+	}
+	eventually(t, 30*time.Second, "the leader admitted once s1 is out of the list", writes(after, 2))
+}
+
+// writes is a session of token tok for billing through px that inserts a row: nil once
+// admitted and written, for eventually.
+func writes(px *testenv.Proxy, tok int64) func() error {
+	return func() error {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		c, err := pgx.Connect(ctx, px.FenceURL("app", "postgres", "billing", tok))
+		if err != nil {
+			return err
+		}
+		defer c.Close(ctx)
+		_, err = c.Exec(ctx, "INSERT INTO items (tag, token) VALUES ('written', $1)", tok)
+		return err
+	}
+}
