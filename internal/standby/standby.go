@@ -97,9 +97,11 @@ const FlushedLSNQuery = "SELECT pg_current_wal_flush_lsn()::text"
 // whether the role can read pg_stat_replication's positions and whether this server is in
 // recovery (a standby has no standbys to ask).
 //
-// A name stands for every standby streaming under it: each must have flushed (min, not max:
-// pg_basebackup -R names every standby "walreceiver", and one streaming twin must not confirm
-// for another that is cut off). A name that is this server's own (its cluster_name, or the
+// A name stands for one standby: two connections streaming under it (pg_basebackup -R names
+// every standby "walreceiver") fail the wait, saying so, for one streaming twin must not
+// confirm for another, and a twin that is cut off disappears from pg_stat_replication (a
+// review's F4, a second review's G4); a standby reconnecting before its old connection timed
+// out (wal_sender_timeout) looks the same for that long. A name that is this server's own (its cluster_name, or the
 // application_name its primary_conninfo gives, when the role may read it: pg_read_all_settings)
 // is waited for all the same, and said to be its own: after a failover to the standby of that
 // name it fails every wait until the operator takes the name out of --failover-standbys (a
@@ -122,13 +124,16 @@ WITH self AS (
 ), pos AS (
     SELECT w.name, w.kind,
         CASE w.kind
-            WHEN 'standby' THEN (SELECT CASE WHEN bool_or(r.flush_lsn IS NULL) THEN NULL ELSE min(r.flush_lsn) END
+            WHEN 'standby' THEN (SELECT CASE WHEN bool_or(r.flush_lsn IS NULL) OR count(*) > 1 THEN NULL ELSE min(r.flush_lsn) END
                                  FROM pg_stat_replication r WHERE r.application_name = w.name)
             ELSE (SELECT s.restart_lsn FROM pg_replication_slots s WHERE s.slot_name = w.name AND s.slot_type = 'physical')
-        END AS flushed
+        END AS flushed,
+        CASE w.kind WHEN 'standby' THEN (SELECT count(*) FROM pg_stat_replication r WHERE r.application_name = w.name) END AS streams
     FROM want w
 )
 SELECT coalesce(array_agg(p.kind || ' ' || p.name || CASE
+            WHEN p.streams > 1
+                THEN ' (' || p.streams || ' connections stream under this name: give each standby its own application_name, or name slots; one that is cut off could not be counted)'
             WHEN p.flushed IS NULL AND p.kind = 'standby' AND p.name IN (SELECT n FROM self)
                 THEN ' (not streaming; it is also this primary''s own name: after a failover to it, take it out of --failover-standbys and reload the proxies)'
             WHEN p.flushed IS NULL THEN ' (not streaming)'

@@ -2,7 +2,9 @@ package proxy_test
 
 import (
 	"context"
+	"fmt"
 	"net"
+	"os/exec"
 	"strconv"
 	"strings"
 	"testing"
@@ -65,4 +67,39 @@ func writes(px *testenv.Proxy, tok int64) func() error {
 		_, err = c.Exec(ctx, "INSERT INTO items (tag, token) VALUES ('written', $1)", tok)
 		return err
 	}
+}
+
+// TestFailoverStandbyTwinsUnderOneNameFailClosed: a name of --failover-standbys stands for one
+// standby. While a second connection streams under it (pg_basebackup -R names every standby
+// walreceiver), every wait fails closed, saying so: one twin must not confirm for the other,
+// and a twin that is cut off leaves pg_stat_replication, where nothing could count it (a
+// review's F4; a second review's G4 committed a stale write after a failover to it). Here the
+// twin is pg_receivewal under the standby's name; once it stops, sessions start again.
+func TestFailoverStandbyTwinsUnderOneNameFailClosed(t *testing.T) {
+	pg, _ := replicatedDB(t)
+	px := failoverProxy(t, pg, "s1")
+	connect(t, px.FenceURL("app", "postgres", "billing", 1)).Close(ctxT(t))
+
+	twin := exec.Command(pg.Bin("pg_receivewal"), "--no-loop", "--no-sync", "-D", t.TempDir(), "-d",
+		fmt.Sprintf("host=%s port=%d user=%s password=%s application_name=s1", pg.Host, pg.Port, testenv.AdminUser, testenv.AdminPassword))
+	if err := twin.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = twin.Process.Kill(); _ = twin.Wait() }()
+	admin := connect(t, pg.AdminURL())
+	eventually(t, 30*time.Second, "two connections stream as s1", func() error {
+		if n := count(t, admin, "SELECT count(*)::int FROM pg_stat_replication WHERE application_name = 's1'"); n != 2 {
+			return fmt.Errorf("%d stream as s1", n)
+		}
+		return nil
+	})
+	err := connectErr(px.FenceURL("app", "postgres", "billing", 2))
+	wantCode(t, err, fence.CodeUnavailable)
+	if !strings.Contains(err.Error(), "standby s1 (2 connections stream under this name") {
+		t.Fatalf("the refusal does not say two connections stream as s1: %v", err)
+	}
+
+	_ = twin.Process.Kill()
+	_ = twin.Wait()
+	eventually(t, 30*time.Second, "token 2 admitted once the twin is gone", writes(px, 2))
 }
