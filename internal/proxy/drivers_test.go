@@ -113,7 +113,9 @@ func program(command []string, env ...string) cellRunner {
 			sslmode = "require"
 		}
 		cellEnv := []string{"PGHOST=" + c.proxy.Host, "PGPORT=" + strconv.Itoa(c.proxy.Port), "PGUSER=app", "PGDATABASE=postgres",
-			"PGSSLMODE=" + sslmode, "PGSSLROOTCERT=" + c.caFile}
+			"PGSSLMODE=" + sslmode, "PGSSLROOTCERT=" + c.caFile,
+			// a channel of the cell's own: cells run side by side in one database
+			"NOTIFY_CHANNEL=chan_" + c.resource}
 		if c.fenced {
 			cellEnv = append(cellEnv, "FENCE_RESOURCE="+c.resource, "FENCE_TOKEN="+strconv.FormatInt(c.first.token, 10), "FENCE_SESSION="+c.first.session)
 		}

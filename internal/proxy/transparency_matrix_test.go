@@ -320,16 +320,17 @@ func pgxCell(ctx context.Context, c *cell) (string, string) {
 	}
 	defer other.Close(context.Background())
 	check("listen notify", func() error {
-		if _, err := conn.Exec(ctx, "LISTEN pgx_chan"); err != nil {
+		channel := "chan_" + c.resource // the cell's own: cells run side by side in one database
+		if _, err := conn.Exec(ctx, "LISTEN "+channel); err != nil {
 			return err
 		}
-		if _, err := other.Exec(ctx, "NOTIFY pgx_chan, 'hello from pgx'"); err != nil {
+		if _, err := other.Exec(ctx, "NOTIFY "+channel+", 'hello from pgx'"); err != nil {
 			return err
 		}
 		wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 		defer cancel()
 		n, err := conn.WaitForNotification(wctx)
-		if err != nil || n.Channel != "pgx_chan" || n.Payload != "hello from pgx" {
+		if err != nil || n.Channel != channel || n.Payload != "hello from pgx" {
 			return fmt.Errorf("notification %+v, %v", n, err)
 		}
 		return nil

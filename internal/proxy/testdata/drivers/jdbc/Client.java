@@ -32,6 +32,7 @@ public class Client {
     static final String RESOURCE = env("FENCE_RESOURCE");
     static final String TOKEN = env("FENCE_TOKEN");
     static final String SESSION = env("FENCE_SESSION");
+    static final String CHANNEL = env("NOTIFY_CHANNEL"); // the cell's own
     static final long DEADLINE_MS = 30_000; // for anything that waits on the server
     static boolean failed = false;
 
@@ -190,10 +191,10 @@ public class Client {
 
         Connection other = connect(TOKEN, SESSION, true);
         check("listen notify", () -> {
-            exec(conn, "LISTEN jdbc_chan");
-            exec(other, "NOTIFY jdbc_chan, 'hello from jdbc'");
+            exec(conn, "LISTEN " + CHANNEL);
+            exec(other, "NOTIFY " + CHANNEL + ", 'hello from jdbc'");
             PGNotification[] ns = pgc.getNotifications((int) DEADLINE_MS);
-            want(ns != null && ns.length == 1 && ns[0].getName().equals("jdbc_chan") && ns[0].getParameter().equals("hello from jdbc"), "notification");
+            want(ns != null && ns.length == 1 && ns[0].getName().equals(CHANNEL) && ns[0].getParameter().equals("hello from jdbc"), "notification");
         });
 
         check("cancel", () -> {
