@@ -124,12 +124,13 @@ WITH self AS (
 ), pos AS (
     SELECT w.name, w.kind,
         CASE w.kind
-            WHEN 'standby' THEN (SELECT CASE WHEN bool_or(r.flush_lsn IS NULL) OR count(*) > 1 THEN NULL ELSE min(r.flush_lsn) END
-                                 FROM pg_stat_replication r WHERE r.application_name = w.name)
+            WHEN 'standby' THEN CASE WHEN r.streams = 1 THEN r.flushed END
             ELSE (SELECT s.restart_lsn FROM pg_replication_slots s WHERE s.slot_name = w.name AND s.slot_type = 'physical')
         END AS flushed,
-        CASE w.kind WHEN 'standby' THEN (SELECT count(*) FROM pg_stat_replication r WHERE r.application_name = w.name) END AS streams
+        CASE w.kind WHEN 'standby' THEN r.streams END AS streams
     FROM want w
+    LEFT JOIN LATERAL (SELECT count(*) AS streams, min(r.flush_lsn) AS flushed
+                       FROM pg_stat_replication r WHERE r.application_name = w.name) r ON true
 )
 SELECT coalesce(array_agg(p.kind || ' ' || p.name || CASE
             WHEN p.streams > 1

@@ -23,6 +23,7 @@ import traceback
 RESOURCE = os.environ.get("FENCE_RESOURCE", "")
 TOKEN = os.environ.get("FENCE_TOKEN", "")
 SESSION = os.environ.get("FENCE_SESSION", "")
+CHANNEL = os.environ["NOTIFY_CHANNEL"]  # the cell's own: cells run side by side in one database
 DEADLINE = 30  # seconds for anything that waits on the server
 failed = False
 

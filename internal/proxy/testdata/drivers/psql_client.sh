@@ -30,17 +30,17 @@ main)
 	"$PSQL" -X -q -f "${PSQL_CLIENT%_client.sh}_cancel.sql" 2>cancel.err
 	grep -q 57014 cancel.err
 	report cancel $? "$(tr '\n' ' ' <cancel.err)"
-	"$PSQL" -X -q -v FENCED=$fenced -f "${PSQL_CLIENT%.sh}.sql"
+	"$PSQL" -X -q -v FENCED=$fenced -v CHANNEL="$NOTIFY_CHANNEL" -f "${PSQL_CLIENT%.sh}.sql"
 	;;
 copy-out)
 	[ "$(wc -l <"$2")" -eq 999 ] && [ "$(head -3 "$2" | tr '\t\n' ':,')" = "1:kept,3:kept,4:copied," ]
 	report "copy out" $? "$(head -3 "$2" | tr '\n' ' ')"
 	;;
 notify)
-	"$PSQL" -X -q -c "NOTIFY psql_chan, 'hello from psql'"
+	"$PSQL" -X -q -c "NOTIFY $NOTIFY_CHANNEL, 'hello from psql'"
 	;;
 notified)
-	grep -q 'notification "psql_chan" with payload "hello from psql"' "$2"
+	grep -q "notification \"$NOTIFY_CHANNEL\" with payload \"hello from psql\"" "$2"
 	report "listen notify" $? "$(tr '\n' ' ' <"$2")"
 	;;
 stale)

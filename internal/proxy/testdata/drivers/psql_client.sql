@@ -62,7 +62,7 @@ SELECT count(*) = 999 AS copied FROM t \gset
 \copy (SELECT id, tag FROM t ORDER BY id) TO 'copy_out.txt'
 \! sh "$PSQL_CLIENT" copy-out copy_out.txt
 
-LISTEN psql_chan;
+LISTEN :CHANNEL;
 \! sh "$PSQL_CLIENT" notify
 \o notify.txt
 SELECT pg_sleep(0.05);

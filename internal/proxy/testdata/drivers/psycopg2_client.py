@@ -96,14 +96,14 @@ def main():
 
     @check("listen notify")
     def _():
-        cur.execute("LISTEN py2_chan")
-        ocur.execute("NOTIFY py2_chan, 'hello from psycopg2'")
+        cur.execute("LISTEN " + cell.CHANNEL)
+        ocur.execute("NOTIFY " + cell.CHANNEL + ", 'hello from psycopg2'")
         deadline = time.monotonic() + cell.DEADLINE
         while not conn.notifies and time.monotonic() < deadline:
             select.select([conn], [], [], 0.5)
             conn.poll()
         n = conn.notifies
-        assert n and n[0].channel == "py2_chan" and n[0].payload == "hello from psycopg2", n
+        assert n and n[0].channel == cell.CHANNEL and n[0].payload == "hello from psycopg2", n
 
     @check("cancel")
     def _():

@@ -93,13 +93,13 @@ def main():
     def _():
         got = []
         conn.add_notify_handler(got.append)
-        conn.execute("LISTEN py_chan")
-        other.execute("NOTIFY py_chan, 'hello from psycopg'")
+        conn.execute("LISTEN " + cell.CHANNEL)
+        other.execute("NOTIFY " + cell.CHANNEL + ", 'hello from psycopg'")
         deadline = time.monotonic() + cell.DEADLINE
         while not got and time.monotonic() < deadline:
             conn.execute("SELECT 1")  # reads what the server sent meanwhile
             time.sleep(0.02)
-        assert got and got[0].channel == "py_chan" and got[0].payload == "hello from psycopg", got
+        assert got and got[0].channel == cell.CHANNEL and got[0].payload == "hello from psycopg", got
 
     @check("cancel")
     def _():

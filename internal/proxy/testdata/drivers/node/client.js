@@ -134,10 +134,10 @@ async function main() {
   const other = await connected(token, session)
   await check('listen notify', async () => {
     const notified = new Promise((resolve) => client.once('notification', resolve))
-    await client.query('LISTEN node_chan')
-    await other.query("NOTIFY node_chan, 'hello from node'")
+    await client.query('LISTEN ' + env.NOTIFY_CHANNEL) // the cell's own
+    await other.query('NOTIFY ' + env.NOTIFY_CHANNEL + ", 'hello from node'")
     const n = await within(notified, 30000, 'notification')
-    assert(n.channel === 'node_chan' && n.payload === 'hello from node', 'notification ' + JSON.stringify(n))
+    assert(n.channel === env.NOTIFY_CHANNEL && n.payload === 'hello from node', 'notification ' + JSON.stringify(n))
   })
 
   await check('cancel', async () => {
