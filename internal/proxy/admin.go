@@ -4,6 +4,7 @@ import (
 	"context"
 	_ "embed" // the status page
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net"
 	"net/http"
@@ -13,6 +14,7 @@ import (
 	"time"
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
+	"github.com/fenceproxy/fenceproxy/internal/standby"
 )
 
 // Status is what /status says of the proxy.
@@ -86,6 +88,17 @@ func (s *Server) NotReady(ctx context.Context) []string {
 	}
 	if s.control != nil && !s.listenSynced.Load() {
 		why = append(why, "control database listener not synced")
+	}
+	if s.control != nil {
+		// A named standby that does not stream from this primary (down, cut off, cascading)
+		// fails every fenced session's start: not ready, saying which (a review's H1).
+		un, err := s.conf().standbys.Unconfirmable(ctx, s.control)
+		switch {
+		case errors.Is(err, standby.ErrSetup):
+			why = append(why, err.Error())
+		case len(un) > 0:
+			why = append(why, "failover standbys cannot confirm a fenced session's start (each fails with ZF007): "+strings.Join(un, ", "))
+		}
 	}
 	if g, ok := s.admit.(*Guard); ok {
 		for _, r := range g.unsynced() {

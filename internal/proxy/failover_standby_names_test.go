@@ -33,7 +33,7 @@ func TestFailoverStandbyOfThePrimarysOwnNameIsWaitedFor(t *testing.T) {
 	sb.CutReplication()
 	err := connectErr(px.FenceURL("app", "postgres", "billing", 2))
 	wantCode(t, err, fence.CodeUnavailable)
-	if !strings.Contains(err.Error(), "standby s1 (not streaming; it is also this primary's own name") {
+	if !strings.Contains(err.Error(), "standby s1 (not streaming from this primary; it is also this primary's own name") {
 		t.Fatalf("the refusal does not say s1 is also the primary's own name: %v", err)
 	}
 
@@ -102,4 +102,32 @@ func TestFailoverStandbyTwinsUnderOneNameFailClosed(t *testing.T) {
 	_ = twin.Process.Kill()
 	_ = twin.Wait()
 	eventually(t, 30*time.Second, "token 2 admitted once the twin is gone", writes(px, 2))
+}
+
+// TestFailoverCascadingStandbyFailsClosedAndNotReady: a standby that streams from another
+// standby (cascading) is not in the primary's pg_stat_replication, so nothing on the primary
+// can tell what it flushed. Named in --failover-standbys it fails every fenced start closed;
+// the refusal and /readyz say it does not stream from this primary and that a cascading
+// standby cannot be waited for (a third review's H1: the refusal said "not streaming" while
+// the standby streamed, and /readyz said ready). Naming its upstream instead admits.
+func TestFailoverCascadingStandbyFailsClosedAndNotReady(t *testing.T) {
+	// A base backup from a standby needs full_page_writes (testenv turns it off for speed).
+	pg, sb := replicatedDB(t, testenv.WithConf("full_page_writes", "on"))
+	testenv.StartStandby(t, sb.Postgres, "s2", testenv.WithConf("full_page_writes", "on"))
+	px := failoverProxy(t, pg, "s2")
+	err := connectErr(px.FenceURL("app", "postgres", "billing", 1))
+	wantCode(t, err, fence.CodeUnavailable)
+	if !strings.Contains(err.Error(), "standby s2 (not streaming from this primary: down, cut off, or cascading from another standby") {
+		t.Fatalf("the refusal does not say s2 does not stream from this primary: %v", err)
+	}
+	why := strings.Join(px.Server.NotReady(ctxT(t)), "\n")
+	if !strings.Contains(why, "failover standbys cannot confirm") || !strings.Contains(why, "standby s2 (not streaming from this primary") {
+		t.Fatalf("/readyz does not say s2 cannot confirm: %q", why)
+	}
+
+	upstream := failoverProxy(t, pg, "s1")
+	if why := upstream.Server.NotReady(ctxT(t)); len(why) > 0 {
+		t.Fatalf("a proxy naming the streaming s1 is not ready: %q", why)
+	}
+	connect(t, upstream.FenceURL("app", "postgres", "billing", 1)).Close(ctxT(t))
 }

@@ -136,8 +136,10 @@ SELECT coalesce(array_agg(p.kind || ' ' || p.name || CASE
             WHEN p.streams > 1
                 THEN ' (' || p.streams || ' connections stream under this name: give each standby its own application_name, or name slots; one that is cut off could not be counted)'
             WHEN p.flushed IS NULL AND p.kind = 'standby' AND p.name IN (SELECT n FROM self)
-                THEN ' (not streaming; it is also this primary''s own name: after a failover to it, take it out of --failover-standbys and reload the proxies)'
-            WHEN p.flushed IS NULL THEN ' (not streaming)'
+                THEN ' (not streaming from this primary; it is also this primary''s own name: after a failover to it, take it out of --failover-standbys and reload the proxies)'
+            WHEN p.flushed IS NULL AND p.kind = 'standby'
+                THEN ' (not streaming from this primary: down, cut off, or cascading from another standby, which cannot be waited for)'
+            WHEN p.flushed IS NULL THEN ' (no such physical slot, or it never streamed)'
             ELSE ' (flushed up to ' || p.flushed::text || ')' END ORDER BY p.kind, p.name)
         FILTER (WHERE p.flushed IS NULL OR p.flushed < $4::pg_lsn), '{}'),
     count(*),
@@ -148,7 +150,7 @@ FROM pos p`
 // NotFlushedError is a wait that ran out: Pending names what did not confirm.
 type NotFlushedError struct {
 	LSN     string
-	Pending []string // e.g. "standby s1 (not streaming)", "slot s2 (flushed up to 0/3000060)"
+	Pending []string // e.g. "standby s1 (not streaming from this primary: ...)", "slot s2 (flushed up to 0/3000060)"
 	Timeout time.Duration
 }
 
@@ -174,30 +176,16 @@ func (s Set) WaitFlushed(ctx context.Context, q Querier, lsn string, timeout tim
 	}
 	wctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
-	names, slots := s.Names, s.Slots
-	if names == nil {
-		names = []string{}
-	}
-	if slots == nil {
-		slots = []string{}
-	}
 	pause := 500 * time.Microsecond
 	var pending []string
 	for {
-		var members int
-		var canRead, recovering bool
-		err := q.QueryRow(wctx, pendingQuery, names, slots, s.AllSlots, lsn).Scan(&pending, &members, &canRead, &recovering)
+		var err error
+		pending, err = s.pending(wctx, q, lsn)
 		switch {
 		case err != nil && wctx.Err() != nil:
 			return s.timedOut(ctx, lsn, pending, timeout)
 		case err != nil:
-			return fmt.Errorf("%w: read the standbys' flush positions: %w", ErrSetup, err)
-		case recovering:
-			return fmt.Errorf("%w: the server is a standby (in recovery), not the primary whose standbys count", ErrSetup)
-		case len(s.Names) > 0 && !canRead:
-			return fmt.Errorf("%w: this role cannot read pg_stat_replication's flush positions: GRANT pg_read_all_stats (or pg_monitor) TO it, or name slots (slot:NAME, slot:*) instead", ErrSetup)
-		case members == 0 && s.AllSlots:
-			return fmt.Errorf("%w: slot:* counts every physical replication slot, and the server has none: create one per standby (pg_basebackup -C -S NAME, primary_slot_name) or name the standbys", ErrSetup)
+			return err
 		case len(pending) == 0:
 			return nil
 		}
@@ -210,6 +198,45 @@ func (s Set) WaitFlushed(ctx context.Context, q Querier, lsn string, timeout tim
 		}
 		pause = min(pause*2, 10*time.Millisecond)
 	}
+}
+
+// Unconfirmable lists the members of s that could not confirm any commit now (a named
+// standby that does not stream from this primary, a slot that never streamed), or returns
+// an ErrSetup error: while either holds, every wait fails. /readyz says so.
+func (s Set) Unconfirmable(ctx context.Context, q Querier) ([]string, error) {
+	if s.Empty() {
+		return nil, nil
+	}
+	return s.pending(ctx, q, "0/0")
+}
+
+// pending is one reading of the members of s that have not flushed lsn; an error wrapping
+// ErrSetup when the wait cannot succeed whatever the standbys do.
+func (s Set) pending(ctx context.Context, q Querier, lsn string) ([]string, error) {
+	names, slots := s.Names, s.Slots
+	if names == nil {
+		names = []string{}
+	}
+	if slots == nil {
+		slots = []string{}
+	}
+	var pending []string
+	var members int
+	var canRead, recovering bool
+	err := q.QueryRow(ctx, pendingQuery, names, slots, s.AllSlots, lsn).Scan(&pending, &members, &canRead, &recovering)
+	switch {
+	case err != nil && ctx.Err() != nil:
+		return nil, err
+	case err != nil:
+		return nil, fmt.Errorf("%w: read the standbys' flush positions: %w", ErrSetup, err)
+	case recovering:
+		return nil, fmt.Errorf("%w: the server is a standby (in recovery), not the primary whose standbys count", ErrSetup)
+	case len(s.Names) > 0 && !canRead:
+		return nil, fmt.Errorf("%w: this role cannot read pg_stat_replication's flush positions: GRANT pg_read_all_stats (or pg_monitor) TO it, or name slots (slot:NAME, slot:*) instead", ErrSetup)
+	case members == 0 && s.AllSlots:
+		return nil, fmt.Errorf("%w: slot:* counts every physical replication slot, and the server has none: create one per standby (pg_basebackup -C -S NAME, primary_slot_name) or name the standbys", ErrSetup)
+	}
+	return pending, nil
 }
 
 func (s Set) timedOut(ctx context.Context, lsn string, pending []string, timeout time.Duration) error {
