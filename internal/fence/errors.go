@@ -28,9 +28,10 @@ const (
 	// session missing".
 	CodeMissing = "ZF003"
 	// A malformed fence.token or fence.resource (from the proxy), an unknown fence.* startup
-	// parameter, or malformed arguments of a fence.* call (from the database). Message:
-	// "fencing parameter malformed", "malformed fencing token", "malformed fencing resource
-	// name".
+	// parameter, malformed arguments of a fence.* call, or a resource led by another lock
+	// service than the one asked (from the database). Message: "fencing parameter malformed",
+	// "malformed fencing token", "malformed fencing resource name", "fencing lease refused",
+	// "fencing lock service refused".
 	CodeMalformed = "ZF004"
 	// The resource is not configured in this proxy (checked before authentication, so
 	// resource names are not secret). Message: "unknown fencing resource".

@@ -9,6 +9,7 @@ import (
 
 	"github.com/hashicorp/consul/api"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
@@ -446,10 +447,21 @@ func (g *Guard) admitRecorded(ctx context.Context, res, key string, tok int64, h
 		return err
 	})
 	if err != nil {
-		return fence.Unavailable(res, fmt.Sprintf("the database's record of Consul tokens (fence.consul_admit; this fenceproxy needs fence schema version %d: ", fence.SchemaVersion)+
-			"run fenceproxy migrate) could not be updated: "+err.Error())
+		return recordFailed(res, err)
 	}
 	return g.judge(ctx, res, key, tok, holder, rec)
+}
+
+// recordFailed is the refusal of a session whose lock-service token fence.consul_admit could
+// not record: the database's own refusal when it refused the resource (ZF004: retrying cannot
+// change it, as a PostgreSQL lease on the resource, L12), fail closed otherwise.
+func recordFailed(res string, err error) error {
+	var pe *pgconn.PgError
+	if errors.As(err, &pe) && pe.Code == fence.CodeMalformed {
+		return &fence.Error{Code: pe.Code, Message: pe.Message, Detail: pe.Detail, Hint: pe.Hint, Resource: res, Err: err}
+	}
+	return fence.Unavailable(res, fmt.Sprintf("the database's record of admitted tokens (fence.consul_admit; this fenceproxy needs fence schema version %d: ", fence.SchemaVersion)+
+		"run fenceproxy migrate) could not be updated: "+err.Error())
 }
 
 // judge decides what a database record means for tok, which Consul showed as current for

@@ -162,8 +162,7 @@ func (g *EtcdGuard) record(ctx context.Context, res string, l etcdLeader) error 
 		return err
 	})
 	if err != nil {
-		return fence.Unavailable(res, fmt.Sprintf("the database's record of admitted tokens (fence.consul_admit; this fenceproxy needs fence schema version %d: ", fence.SchemaVersion)+
-			"run fenceproxy migrate) could not be updated: "+err.Error())
+		return recordFailed(res, err)
 	}
 	if rec.Admits(l.rev, holder) {
 		return nil

@@ -3,7 +3,8 @@
 -- after the call, and the regression (NULL when none). The proxy admits token only when the
 -- regression is NULL and the recorded token and holder are token and holder. Used for every
 -- lock service (Consul, etcd, ZooKeeper), whose holders it names in their words (W1). A second
--- holder of the recorded token is a regression that deposes the first (C2, C5).
+-- holder of the recorded token is a regression that deposes the first (C2, C5). Refuses (ZF004)
+-- a resource the PostgreSQL lease leads (L12).
 CREATE OR REPLACE FUNCTION fence.consul_admit(resource text, token bigint, holder text, proof text,
                                               OUT recorded bigint, OUT recorded_holder text, OUT regression text)
 LANGUAGE plpgsql
@@ -23,6 +24,20 @@ BEGIN
         RAISE EXCEPTION USING
             ERRCODE = 'ZF004',
             MESSAGE = 'malformed fencing holder: fence.consul_admit needs the session that holds the lock';
+    END IF;
+    -- (L12) No lock service's token on a resource with a PostgreSQL lease: the bind's lease
+    -- check would refuse it as not issued (ZF002), or its generations as stale, with a hint
+    -- about the lease. Said once, here, with the way out.
+    IF EXISTS (SELECT 1 FROM fence.leases AS l WHERE l.resource = p_resource) THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'ZF004',
+            MESSAGE = format('fencing lock service refused: resource "%s" is led through the PostgreSQL lease (fence.leases has its row: %s)',
+                             p_resource,
+                             (SELECT CASE WHEN l.holder IS NOT NULL AND l.expires_at > pg_catalog.clock_timestamp()
+                                          THEN format('generation %s, held by %s until %s', l.generation, l.holder, l.expires_at)
+                                          ELSE format('generation %s, not held now', l.generation) END
+                              FROM fence.leases AS l WHERE l.resource = p_resource)),
+            HINT = format('One resource has one lock service. If nothing uses its PostgreSQL lease any more, stop its lease holders and run fenceproxy fence reset --resource %s --token N --database URL (N: the lock service''s current token), which forgets a lease that is not held; or give this lock another resource name.', p_resource);
     END IF;
     -- (C5) The shared path of the recorded holder, as in version 8.
     SELECT c.* INTO cur FROM fence.consul_tokens AS c WHERE c.resource = p_resource;

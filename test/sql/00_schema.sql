@@ -17,8 +17,8 @@ SELECT has_table('fence', 'bindings', 'fence.bindings exists');
 SELECT has_table('fence', 'keys', 'fence.keys exists');
 SELECT has_table('fence', 'goose_db_version', 'goose keeps its version table in the fence schema');
 SELECT hasnt_table('public', 'goose_db_version', 'no goose version table in public');
-SELECT is((SELECT max(version_id) FROM fence.goose_db_version WHERE is_applied), 13::bigint,
-    'the schema is at version 13');
+SELECT is((SELECT max(version_id) FROM fence.goose_db_version WHERE is_applied), 14::bigint,
+    'the schema is at version 14');
 
 -- fence.tokens (version 1, unchanged).
 SELECT col_type_is('fence', 'tokens', 'resource', 'text', 'tokens.resource is text');

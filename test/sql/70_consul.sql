@@ -5,7 +5,7 @@
 \ir _psql.psql
 
 BEGIN;
-SELECT plan(38);
+SELECT plan(44);
 \ir _helpers.psql
 
 CREATE ROLE tap_nobody_consul NOLOGIN;
@@ -114,6 +114,25 @@ SELECT is(pg_temp.remote(pg_temp.connstr('postgres'), $$SELECT fence.reset('tap-
     'fence.reset of the resource (no token stored before: 0, the row the deposition locked)');
 SELECT is(pg_temp.regression_of('tap-consul'), NULL, 'fence.reset forgets the Consul row');
 SELECT is(pg_temp.admit('p1', 'tap-consul', 8, 's4'), '8 s4 false', 'after the reset, the current holder is admitted');
+
+-- (L12) A lock service's token on a resource with a PostgreSQL lease row is refused up front
+-- (a leftover lease of an earlier trial made a newcomer's Consul resource fail with ZF002 and a
+-- lease hint); fence.reset forgets a lease that is not held, not one that is.
+SELECT dblink_exec(pg_temp.connstr('postgres'), $$
+    INSERT INTO fence.leases (resource, generation) VALUES ('tap-consul-lease', 3);
+    INSERT INTO fence.leases (resource, holder, generation, expires_at) VALUES ('tap-consul-held', 'h', 4, now() + interval '1 hour');
+$$) \g /dev/null
+SELECT throws_ok($$SELECT pg_temp.admit('p1', 'tap-consul-lease', 9, 's5')$$, 'ZF004',
+    'fencing lock service refused: resource "tap-consul-lease" is led through the PostgreSQL lease (fence.leases has its row: generation 3, not held now)',
+    'a lock service''s token on a resource with a lease row is ZF004, naming the lease (L12)');
+SELECT throws_ok($$SELECT pg_temp.admit('p1', 'tap-consul-held', 9, 's5')$$, 'ZF004', NULL, '... also one held now (L12)');
+SELECT is(pg_temp.remote(pg_temp.connstr('postgres'), $$SELECT fence.reset('tap-consul-lease', 9)::text$$)::text, NULL,
+    'fence.reset of the resource with a lease that is not held');
+SELECT is(pg_temp.admit('p1', 'tap-consul-lease', 9, 's5'), '9 s5 false', 'fence.reset forgot the lease that was not held: the lock service''s token is admitted (L12)');
+SELECT is(pg_temp.remote(pg_temp.connstr('postgres'), $$SELECT fence.reset('tap-consul-held', 9)::text$$)::text, NULL,
+    'fence.reset of the resource with a held lease');
+SELECT throws_ok($$SELECT pg_temp.admit('p1', 'tap-consul-held', 9, 's5')$$, 'ZF004', NULL, 'fence.reset keeps a held lease: its holder leads (L12)');
+SELECT dblink_exec(pg_temp.connstr('postgres'), $$DELETE FROM fence.leases WHERE resource LIKE 'tap-consul%'$$) \g /dev/null
 
 SELECT dblink_exec(pg_temp.connstr('postgres'), $$
     DELETE FROM fence.consul_tokens WHERE resource LIKE 'tap-consul%';
