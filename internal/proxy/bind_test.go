@@ -225,7 +225,7 @@ func TestBindBackendTerminatedSaysSo(t *testing.T) {
 		t.Fatalf("%v: want the server's own message", err)
 	}
 	pe := pgErrorOf(err)
-	if pe == nil || !strings.Contains(pe.Hint, "nothing was bound") {
+	if pe == nil || !strings.Contains(pe.Hint, "nothing was committed or bound") {
 		t.Fatalf("%v: want the proxy's hint that nothing was bound", err)
 	}
 }

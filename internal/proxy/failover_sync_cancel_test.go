@@ -2,8 +2,11 @@ package proxy_test
 
 import (
 	"errors"
+	"strings"
 	"testing"
 	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
 	"github.com/fenceproxy/fenceproxy/internal/proxy"
@@ -25,8 +28,16 @@ func TestFailoverSyncStandbyCancelledWaitAdmitsNobody(t *testing.T) {
 	sb.WaitFlushed(t, pg.CurrentLSN(t), 30*time.Second)
 	sb.CutReplication()
 
-	if err := connectErr(px.FenceURL("app", "postgres", "billing", 2)); err == nil {
+	err := connectErr(px.FenceURL("app", "postgres", "billing", 2))
+	if err == nil {
 		t.Fatal("the session raising to 2 started with its synchronous standby cut off")
+	}
+	// The refusal points at the bind's wait, and says the raise may be committed (a review:
+	// "did not complete startup" sent the operator to the network).
+	var pe *pgconn.PgError
+	if !errors.As(err, &pe) || !strings.Contains(pe.Message, "the bind of the session to its fencing token did not finish") ||
+		!strings.Contains(pe.Detail, "synchronous standbys") || !strings.Contains(pe.Hint, "may be committed") {
+		t.Fatalf("the login timeout's refusal: %#v", err)
 	}
 	if got := storedToken(t, connect(t, pg.AdminURL()), "billing"); got != 2 {
 		t.Fatalf("the primary stores %d, want 2 (the raise whose wait the login timeout cancelled)", got)
@@ -44,13 +55,14 @@ func TestFailoverSyncStandbyCancelledWaitAdmitsNobody(t *testing.T) {
 	for _, c := range []struct {
 		tok    int64
 		params []string
-	}{{3, nil}, {4, []string{"client_min_messages=error"}}} {
+		end    string // what ends the wait
+	}{{3, nil, "pg_cancel_backend"}, {4, []string{"client_min_messages=error"}, "pg_cancel_backend"}, {5, nil, "pg_terminate_backend"}} {
 		tok, params := c.tok, c.params
 		errc := make(chan error, 1)
 		go func() { errc <- connectErr(slow.FenceURL("app", "postgres", "billing", tok, params...)) }()
 		eventually(t, 30*time.Second, "the bind waits for the synchronous standby", func() error {
 			var n int
-			if err := admin.QueryRow(ctxT(t), "SELECT count(*) FILTER (WHERE pg_cancel_backend(pid)) FROM pg_stat_activity WHERE wait_event = 'SyncRep' AND usename = 'app'").Scan(&n); err != nil {
+			if err := admin.QueryRow(ctxT(t), "SELECT count(*) FILTER (WHERE "+c.end+"(pid)) FROM pg_stat_activity WHERE wait_event = 'SyncRep' AND usename = 'app'").Scan(&n); err != nil {
 				return err
 			}
 			if n == 0 {
@@ -63,6 +75,15 @@ func TestFailoverSyncStandbyCancelledWaitAdmitsNobody(t *testing.T) {
 			if err == nil {
 				t.Fatalf("token %d (startup %v) admitted, its bind's wait for the synchronous standby cancelled", tok, params)
 			}
+			if c.end == "pg_terminate_backend" {
+				// The backend ended during the COMMIT's wait: the raise is committed on the
+				// primary, and the hint says it may be (it said "nothing was bound").
+				var pe *pgconn.PgError
+				if !errors.As(err, &pe) || !strings.Contains(pe.Hint, "its COMMIT had begun: a raise of its token may be committed") {
+					t.Fatalf("token %d, backend terminated in its COMMIT's wait: %#v", tok, err)
+				}
+				break
+			}
 			wantCode(t, err, fence.CodeUnavailable)
 		case <-time.After(30 * time.Second):
 			t.Fatalf("the session of token %d whose bind's wait was cancelled did not end", tok)
@@ -70,5 +91,5 @@ func TestFailoverSyncStandbyCancelledWaitAdmitsNobody(t *testing.T) {
 	}
 
 	sb.HealReplication()
-	eventually(t, 30*time.Second, "token 4 admitted once the standby streams again", writes(px, 4))
+	eventually(t, 30*time.Second, "token 5 admitted once the standby streams again", writes(px, 5))
 }

@@ -253,6 +253,16 @@ func (sess *session) start(ctx context.Context, clients int64) error {
 		// Whatever failed first (a read, the server's answer), the cause is
 		// the timeout: say so, and whose side was late.
 		var f *fatal
+		var cut *bindCut
+		if errors.As(err, &cut) {
+			// The bind's wait: stale backends to exit, or the synchronous standbys'
+			// confirmation of its COMMIT (a review found the bare "did not complete
+			// startup" sent operators to the network, not to the standby).
+			return &fatal{resp: &pgproto3.ErrorResponse{Severity: wire.SeverityFatal, Code: wire.CodeConnectionFailure,
+				Message: fmt.Sprintf("login timeout: the bind of the session to its fencing token did not finish within %s (fenceproxy --login-timeout)", loginTimeout),
+				Detail:  "A bind waits for the backends of lower tokens to exit when it raises the token and, with synchronous_standby_names set on the server, for the synchronous standbys to confirm its COMMIT: check that they stream (pg_stat_replication; docs/failover.md).",
+				Hint:    "fenceproxy: " + cut.outcome()}, err: err}
+		}
 		if errors.As(err, &f) && f.resp.Code == wire.CodeConnectionFailure {
 			return fatalf(wire.CodeConnectionFailure, "login timeout: the server did not complete startup within %s (fenceproxy --login-timeout)", loginTimeout)
 		}
@@ -685,14 +695,18 @@ func (sess *session) bind(ctx context.Context) error {
 	for ready := 0; ready < answers; {
 		typ, _, err := sess.sr.Next()
 		if err != nil {
+			// Once the Sync's answer is in, the COMMIT runs: a raise it carries may be
+			// committed on the primary (and not on the standbys) whatever ended it.
+			cut := &bindCut{committing: ready >= 2, err: err}
 			if serverErr != nil && serverErr.Severity == wire.SeverityFatal {
 				// The server said why (a pg_terminate_backend of the
 				// binding backend: 57P01): its own words.
 				return &fatal{resp: &pgproto3.ErrorResponse{Severity: wire.SeverityFatal, Code: serverErr.Code,
 					Message: serverErr.Message, Detail: serverErr.Detail,
-					Hint: "fenceproxy: the server ended the session's backend while binding it to its fencing token; nothing was bound, retry."}, err: err}
+					Hint: "fenceproxy: the server ended the session's backend while binding it to its fencing token; " + cut.outcome()}, err: cut}
 			}
-			return fatalf(wire.CodeConnectionFailure, "fenceproxy lost the server while binding the session: %v", err)
+			return &fatal{resp: &pgproto3.ErrorResponse{Severity: wire.SeverityFatal, Code: wire.CodeConnectionFailure,
+				Message: fmt.Sprintf("fenceproxy lost the server while binding the session: %v", err), Hint: "fenceproxy: " + cut.outcome()}, err: cut}
 		}
 		body, err := sess.sr.Body()
 		if err != nil {
@@ -751,6 +765,24 @@ func (sess *session) bind(ctx context.Context) error {
 	}
 	sess.srv.metrics.bind(outcome, time.Since(started))
 	return err
+}
+
+// bindCut is a bind whose answer the proxy could not read to the end: the server ended the
+// backend, the connection broke, or the login timeout cut it.
+type bindCut struct {
+	committing bool // the COMMIT had started: the raise, if the bind made one, may be committed
+	err        error
+}
+
+func (b *bindCut) Error() string { return b.err.Error() }
+func (b *bindCut) Unwrap() error { return b.err }
+
+// outcome says what a cut bind left behind and what to do.
+func (b *bindCut) outcome() string {
+	if b.committing {
+		return "the session is not started, but its COMMIT had begun: a raise of its token may be committed on the primary (fenceproxy fence history shows it) while a wait for the synchronous standbys was cut. Retry: the next session's bind waits again."
+	}
+	return "nothing was committed or bound, retry."
 }
 
 // waitStandbys waits until the failover standbys have flushed the bind's commit (at or
