@@ -231,7 +231,16 @@ func supervise(ctx context.Context, cfg *RunConfig, lock Lease, log *zap.Logger)
 		}
 		werr := ch.Reap()
 		logChildExit(log, werr)
+		if werr != nil && lostWithin(lock, lossWait) {
+			// A child that gave up on an error as its lock was lost (its stale token's
+			// ZF001, when a frozen supervisor and child wake together) ends as a loss:
+			// --on-lost decides, as when the loss is seen first (a newcomer saw either,
+			// by timing).
+			log.Warn("the child exited as the lock was lost: handled as lost leadership (--on-lost)")
+			return true, nil
+		}
 		release(lock, log)
+		log.Info("lock released: ending with the child's status (a program that ended is not started again; only a lost lock is campaigned for again)")
 		return false, exitResult(werr)
 	case <-lock.Done():
 		// The lock's own "lock lost" line (its backend's) says why: not said again here.
@@ -256,6 +265,21 @@ func supervise(ctx context.Context, cfg *RunConfig, lock Lease, log *zap.Logger)
 		release(lock, log)
 		return false, exitResult(werr)
 	}
+}
+
+// lossWait bounds how long a child's failed exit waits for its lock to say it was lost.
+const lossWait = time.Second
+
+// lostWithin reports whether lock is lost now or within d.
+func lostWithin(lock Lease, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-lock.Done():
+	case <-t.C:
+		return false
+	}
+	return errors.Is(lock.Err(), ErrLockLost)
 }
 
 // logChildExit logs how the child ended: its exit status, or the signal that ended it.

@@ -172,6 +172,29 @@ func TestRunLocked(t *testing.T) {
 		}
 	})
 
+	t.Run("a child that fails as its lock is lost ends as lost leadership", func(t *testing.T) {
+		t.Parallel()
+		// As a frozen supervisor and child wake together: the child's write fails on its
+		// stale token and it exits 3 while the supervisor learns the lock is lost. --on-lost
+		// decides, whichever comes first (a newcomer saw exit 3 or a new campaign by timing).
+		dir := t.TempDir()
+		cfg := base("fails-as-lost", dir, `echo "$FENCE_SESSION" > "$DIR/session"
+			while [ ! -f "$DIR/go" ]; do sleep 0.01; done; touch "$DIR/exiting"; exit 3`)
+		cfg.OnLost = lease.OnLostExit
+		res := runLocked(t, testCtx(t), cfg)
+		session := strings.TrimSpace(waitFile(t, filepath.Join(dir, "session"), nonEmpty))
+		if err := os.WriteFile(filepath.Join(dir, "go"), nil, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		waitFile(t, filepath.Join(dir, "exiting"), func(string) bool { return true }) // the child exits first
+		if _, err := client.Session().Destroy(session, nil); err != nil {
+			t.Fatal(err)
+		}
+		if err := result(t, res, waitTimeout); !errors.Is(err, lease.ErrLockLost) {
+			t.Errorf("RunLocked = %v, want ErrLockLost (--on-lost exit)", err)
+		}
+	})
+
 	t.Run("SIGKILL after the grace period", func(t *testing.T) {
 		t.Parallel()
 		dir := t.TempDir()
