@@ -490,6 +490,9 @@ func (g *Guard) judge(ctx context.Context, res, key string, tok int64, holder st
 		return fence.Unavailable(res, fmt.Sprintf("the database recorded token %d of Consul session %q for token %d of session %q",
 			rec.Token, rec.Holder, tok, holder))
 	}
+	if fe := movedFrom(res, tok, rec, "Consul"); fe != nil {
+		return fe
+	}
 	s, err := g.watcher.Read(ctx, key)
 	if err != nil {
 		return fence.Unavailable(res, "Consul's lock state is unknown ("+err.Error()+"); no token is admitted without Consul's word")

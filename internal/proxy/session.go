@@ -474,7 +474,7 @@ func (sess *session) admitToken(ctx context.Context) error {
 			err = s.admit.Admit(ctx, cred)
 		}
 		if err != nil {
-			if h := s.reg.Highest(sess.database, cred.Resource); h > cred.Token && !fence.IsRegression(err) {
+			if h := s.reg.Highest(sess.database, cred.Resource); h > cred.Token && !fence.IsRegression(err) && !errors.Is(err, errMoved) {
 				// Stale whatever Consul's state (unknown during an outage): say so.
 				return fatalFence(fence.Stale(cred.Resource, cred.Token, h))
 			}

@@ -1,7 +1,9 @@
 package proxy
 
 import (
+	"errors"
 	"fmt"
+	"strings"
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
 	"github.com/fenceproxy/fenceproxy/internal/lease"
@@ -55,7 +57,12 @@ func (g *Guard) holderOf(resource string, token int64) string { return g.holder(
 func (g *EtcdGuard) holderName(string) string      { return "" }
 func (g *ZooKeeperGuard) holderName(string) string { return "" }
 
-func (g *EtcdGuard) guards(resource string) bool {
+func (g *EtcdGuard) guards(resource string) bool { return g.Validates(resource) }
+
+// Validates reports whether resource's tokens are etcd's (an --etcd-resource): a token
+// etcd shows current is judged against the database's record (Judge), as Consul's and
+// ZooKeeper's are, not refused on this proxy's memory alone.
+func (g *EtcdGuard) Validates(resource string) bool {
 	_, ok := g.prefixes[resource]
 	return ok
 }
@@ -103,6 +110,9 @@ func judgeRecord(res string, token int64, holder string, rec fence.ConsulRecord,
 		// Not an answer consul_admit gives (one number with two holders is a regression).
 		return fence.Unavailable(res, fmt.Sprintf("the database recorded token %d of %s for token %d of %s", rec.Token, rec.Holder, token, holder))
 	}
+	if fe := movedFrom(res, token, rec, store); fe != nil {
+		return fe
+	}
 	cur, err := current()
 	if err != nil {
 		return fence.Unavailable(res, store+"'s lock state is unknown ("+err.Error()+"); no token is admitted without "+store+"'s word")
@@ -111,4 +121,39 @@ func judgeRecord(res string, token int64, holder string, rec fence.ConsulRecord,
 		return fence.Stale(res, token, rec.Token)
 	}
 	return fail(fmt.Sprintf("the database admitted token %d (%s) but %s's current holder has token %d", rec.Token, rec.Holder, store, cur))
+}
+
+// errMoved is the cause of movedFrom's refusal: the session reports it, not the stale
+// token this proxy's memory would name (a higher token of the other service's sequence).
+var errMoved = errors.New("the resource was led through another lock service")
+
+// recordedStore names the lock service of a holder fence.consul_tokens records: "etcd lease
+// ID", "zookeeper session ID", or a bare Consul session ID (fence.holder_words, W1).
+func recordedStore(holder string) string {
+	switch {
+	case strings.HasPrefix(holder, "etcd lease "):
+		return "etcd"
+	case strings.HasPrefix(holder, "zookeeper session "):
+		return "ZooKeeper"
+	}
+	return "Consul"
+}
+
+// movedFrom refuses token of store when the database admitted a higher token rec of another
+// lock service's holder: the resource was led through that service, and store's numbers are
+// not its sequence, so nothing went backwards. Refused (ZF007) without failing the resource
+// closed for good, so that the reset that moves it admits the new holder at once (a
+// newcomer's move from etcd to Consul read as a "LockIndex regression ... a snapshot restore",
+// and one to etcd stayed closed after the reset until the proxy restarted).
+func movedFrom(res string, token int64, rec fence.ConsulRecord, store string) *fence.Error {
+	was := recordedStore(rec.Holder)
+	if rec.Holder == "" || was == store {
+		return nil
+	}
+	fe := fence.Unavailable(res, fmt.Sprintf("token %d of %s is below token %d, which was admitted through %s (holder %q): the resource was led through %s, and this proxy validates it with %s",
+		token, store, rec.Token, was, rec.Holder, was, store))
+	fe.Err = errMoved
+	fe.Hint = fmt.Sprintf("One resource has one lock service. To move it to %s, stop the holders of its %s lock, then run fenceproxy fence reset --resource %s --token %d --database URL (%s's current token); or give the %s lock another resource name.",
+		store, was, res, token, store, store)
+	return fe
 }
