@@ -7,6 +7,8 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+
+	"github.com/fenceproxy/fenceproxy/internal/testenv"
 )
 
 // ticksPerSecond is USER_HZ, the unit of /proc/PID/stat's and /proc/stat's times: 100 on
@@ -65,7 +67,7 @@ func TreeTicks(parent int) (int64, error) {
 			return 0, err
 		}
 		total := first
-		for _, child := range children(parent) {
+		for _, child := range testenv.Children(parent) {
 			t, err := CPUTicks(child, false)
 			if err == nil { // a child gone meanwhile is in the parent's total on the next try
 				total += t
@@ -76,23 +78,6 @@ func TreeTicks(parent int) (int64, error) {
 		}
 	}
 	return 0, fmt.Errorf("the CPU time of process %d's children kept moving", parent)
-}
-
-// children lists the live processes whose parent is pid.
-func children(pid int) []int {
-	entries, _ := os.ReadDir("/proc")
-	var out []int
-	for _, e := range entries {
-		child, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		f, err := statFields(child)
-		if err == nil && f[1] == strconv.Itoa(pid) {
-			out = append(out, child)
-		}
-	}
-	return out
 }
 
 // MachineTicks are the machine's busy (user, nice, system, irq, softirq, steal) and idle

@@ -60,6 +60,13 @@ type Hooks struct {
 	// Switching is called as soon as a (re)connection finds another server than the last
 	// one, before the registry forgets the lost timeline's tokens. Nil: not told.
 	Switching func()
+	// Prepare adjusts the connection's settings before each (re)connection (the proxy aims
+	// it at the primary its monitor knows). Nil: the URL's settings.
+	Prepare func(*pgx.ConnConfig)
+	// Moved returns a channel closed when the primary may have moved: the connection is
+	// dropped and made again (a listener left on a frozen old primary hears no raise and
+	// never notices the failover). Nil: never.
+	Moved func() <-chan struct{}
 }
 
 // Upstream is the identity of the server a connection reached: its cluster's system
@@ -73,6 +80,9 @@ type Upstream struct {
 // timeline is not read).
 const identityQuery = `SELECT (SELECT system_identifier::text FROM pg_control_system()), pg_is_in_recovery(),
     CASE WHEN pg_is_in_recovery() THEN 0 ELSE ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint END`
+
+// errMoved ends a listener's connection when the primary may have moved (Hooks.Moved).
+var errMoved = errors.New("the primary may have moved: connecting again")
 
 // errStandby is a control connection that reached a standby: raises are made on the primary.
 var errStandby = errors.New("the control database's server is a standby (in recovery): raises are made on the primary; use target_session_attrs=read-write and list every host (postgres://h1:p1,h2:p2/db)")
@@ -100,7 +110,7 @@ func FollowUpstream(ctx context.Context, url string, reg *Registry, log *zap.Log
 		synced(true)
 	}
 	for {
-		err := listenOnce(ctx, url, reg, afterSync, func(now Upstream, database string) bool {
+		err := listenOnce(ctx, url, h, reg, afterSync, func(now Upstream, database string) bool {
 			changed := last != nil && *last != now
 			kind := "timeline"
 			if last != nil && last.SystemID != now.SystemID {
@@ -125,21 +135,51 @@ func FollowUpstream(ctx context.Context, url string, reg *Registry, log *zap.Log
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
-		log.Warn("fence listener disconnected; reconnecting", zap.Error(err), zap.Duration("backoff", backoff))
+		if errors.Is(err, errMoved) {
+			log.Info("fence listener: the primary may have moved; connecting again")
+			backoff = 0
+		} else {
+			log.Warn("fence listener disconnected; reconnecting", zap.Error(err), zap.Duration("backoff", backoff))
+		}
 		select {
 		case <-ctx.Done():
 			return ctx.Err()
 		case <-time.After(backoff):
 		}
-		backoff = min(backoff*2, 5*time.Second)
+		backoff = min(max(backoff*2, 100*time.Millisecond), 5*time.Second)
 	}
 }
 
 // listenOnce connects, LISTENs and syncs reg with fence.tokens. identity, when not nil, is
 // told the server's identity before the sync and says whether it changed (then the sync
 // rebases the registry instead of raising it).
-func listenOnce(ctx context.Context, url string, reg *Registry, ready func(), identity func(Upstream, string) bool, identityErr func(error)) error {
-	conn, err := pgx.Connect(ctx, url)
+func listenOnce(ctx context.Context, url string, h Hooks, reg *Registry, ready func(), identity func(Upstream, string) bool, identityErr func(error)) (err error) {
+	if h.Moved != nil {
+		moved := h.Moved()
+		mctx, cancel := context.WithCancelCause(ctx)
+		defer cancel(nil)
+		defer func() {
+			if errors.Is(context.Cause(mctx), errMoved) {
+				err = errMoved
+			}
+		}()
+		ctx = mctx
+		go func() {
+			select {
+			case <-moved:
+				cancel(errMoved)
+			case <-mctx.Done():
+			}
+		}()
+	}
+	cfg, err := pgx.ParseConfig(url)
+	if err != nil {
+		return err
+	}
+	if h.Prepare != nil {
+		h.Prepare(cfg)
+	}
+	conn, err := pgx.ConnectConfig(ctx, cfg)
 	if err != nil {
 		return err
 	}

@@ -11,6 +11,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
@@ -117,6 +119,11 @@ type Server struct {
 	// firstRound is closed once monitorHosts has read every host once (nil: no monitor).
 	firstRound     chan struct{}
 	firstRoundOnce sync.Once
+	// movedCh is closed (and replaced) when the monitor reads a new primary (primaryMoved).
+	movedMu sync.Mutex
+	movedCh chan struct{}
+	// controlBase is the control database's parsed settings (nil: none), for aimAtPrimary.
+	controlBase *pgconn.Config
 	// resolve resolves host names at each dial (nil: the system's resolver).
 	resolve func(ctx context.Context, host string) ([]string, error)
 }
@@ -139,6 +146,7 @@ func New(cfg Config, opts Options) (*Server, error) {
 		version:  opts.Version,
 		reload:   opts.Reload,
 		roles:    make([]hostRole, len(s.upstream.hosts)),
+		movedCh:  make(chan struct{}),
 		resolve:  opts.LookupHost,
 	}
 	srv.pause.init()
@@ -164,6 +172,11 @@ func New(cfg Config, opts Options) (*Server, error) {
 		// database that is down costs nothing until then.
 		pc.MaxConns = 4
 		pc.MaxConnIdleTime = time.Minute
+		srv.controlBase = pc.ConnConfig.Config.Copy()
+		pc.BeforeConnect = func(_ context.Context, cc *pgx.ConnConfig) error {
+			srv.aimAtPrimary(&cc.Config)
+			return nil
+		}
 		srv.controlDB = fence.DatabaseName(pc.ConnConfig)
 		if srv.control, err = pgxpool.NewWithConfig(context.Background(), pc); err != nil {
 			return nil, fmt.Errorf("proxy: control database: %w", err)
@@ -213,6 +226,8 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 						sw.UpstreamSwitched()
 					}
 				},
+				Prepare: func(cc *pgx.ConnConfig) { s.aimAtPrimary(&cc.Config) },
+				Moved:   s.moved,
 			})
 		}()
 		go s.warnShadowed(listenCtx)

@@ -317,6 +317,8 @@ func roleName(r int32) string {
 // hostRole is what the proxy knows of one host.
 type hostRole struct {
 	role atomic.Int32
+	// timeline is a primary's, from its last reading (0: not a primary, or not read).
+	timeline atomic.Int64
 	// why is the last failure, for messages (a string: no error value kept).
 	why atomic.Pointer[string]
 }
@@ -367,6 +369,7 @@ func (s *Server) hostOrder(want string) []int {
 		return 0
 	}
 	var ranks [4][]int
+	newest := s.roles[max(s.primaryHost(), 0)].timeline.Load()
 	for i := range s.cfg.upstream.hosts {
 		rank := 1
 		switch role := s.roles[i].role.Load(); role {
@@ -378,6 +381,12 @@ func (s *Server) hostOrder(want string) []int {
 			}
 		default:
 			rank = fit(role)
+			if role == rolePrimary && rank == 0 && s.roles[i].timeline.Load() < newest {
+				// A primary of an older timeline than another's: the old primary of a
+				// failover, frozen or thawed, whose overdue reading has not failed yet (a
+				// review's session waited 15 s there for the login timeout).
+				rank = 2
+			}
 		}
 		ranks[rank] = append(ranks[rank], i)
 	}
@@ -386,6 +395,53 @@ func (s *Server) hostOrder(want string) []int {
 		out = append(out, r...)
 	}
 	return out
+}
+
+// primaryHost is the host the monitor last read as the primary of the newest timeline (-1:
+// none known).
+func (s *Server) primaryHost() int {
+	best := -1
+	for i := range s.roles {
+		if s.roles[i].role.Load() == rolePrimary && (best < 0 || s.roles[i].timeline.Load() > s.roles[best].timeline.Load()) {
+			best = i
+		}
+	}
+	return best
+}
+
+// primaryMoved tells whoever waits on movedCh that the primary may have moved.
+func (s *Server) primaryMoved() {
+	s.movedMu.Lock()
+	defer s.movedMu.Unlock()
+	close(s.movedCh)
+	s.movedCh = make(chan struct{})
+}
+
+// moved returns a channel closed at the next primaryMoved.
+func (s *Server) moved() <-chan struct{} {
+	s.movedMu.Lock()
+	defer s.movedMu.Unlock()
+	return s.movedCh
+}
+
+// aimAtPrimary puts the host the monitor knows as the primary first in cfg, a control
+// connection's settings (the hosts of the control URL follow): a multi-host URL with
+// target_session_attrs=read-write tries its hosts in order, and one that is frozen (a paused
+// VM, the old primary of a failover) accepts the TCP connection and never answers, so every
+// control connection, and with it every fenced start, waited for it (a review's lockout).
+func (s *Server) aimAtPrimary(cfg *pgconn.Config) {
+	if cfg.ConnectTimeout <= 0 {
+		cfg.ConnectTimeout = s.cfg.ConnectTimeout
+	}
+	p := s.primaryHost()
+	if p < 0 || s.controlBase == nil || len(s.cfg.upstream.hosts) < 2 {
+		return // one host: nothing to choose (and its address may differ from the control URL's)
+	}
+	h := hostConfig(s.controlBase, s.cfg.upstream.hosts[p], s)
+	rest := append([]*pgconn.FallbackConfig{{Host: cfg.Host, Port: cfg.Port, TLSConfig: cfg.TLSConfig}}, cfg.Fallbacks...)
+	cfg.Host, cfg.Port, cfg.TLSConfig = h.Host, h.Port, h.TLSConfig
+	cfg.Fallbacks = append(h.Fallbacks, rest...)
+	cfg.LookupFunc = s.lookupHost
 }
 
 // lookupHost resolves a host name for one dial: at every session start, never cached.
@@ -634,12 +690,18 @@ func (s *Server) monitorHost(ctx context.Context, cfg *pgconn.Config, i int, rea
 	tick := time.NewTicker(s.cfg.UpstreamCheckInterval)
 	defer tick.Stop()
 	for {
-		role, why := s.checkHost(ctx, cfg, &conn)
+		role, timeline, why := s.checkHost(ctx, cfg, &conn)
 		if ctx.Err() != nil {
 			return
 		}
-		prev := s.roles[i].role.Load()
+		prev, prevTimeline := s.roles[i].role.Load(), s.roles[i].timeline.Load()
+		if role == rolePrimary || role == roleStandby {
+			s.roles[i].timeline.Store(timeline)
+		}
 		s.roles[i].set(role, why)
+		if role == rolePrimary && (prev != rolePrimary || timeline > prevTimeline) {
+			s.primaryMoved()
+		}
 		s.monitored.Store(true)
 		once.Do(read)
 		if prev != role {
@@ -674,7 +736,7 @@ func (s *Server) monitorHost(ctx context.Context, cfg *pgconn.Config, i int, rea
 
 // checkHost reads one host's role on *conn, connecting first when it is nil (and closing
 // it on an error).
-func (s *Server) checkHost(ctx context.Context, cfg *pgconn.Config, conn **pgconn.PgConn) (int32, string) {
+func (s *Server) checkHost(ctx context.Context, cfg *pgconn.Config, conn **pgconn.PgConn) (int32, int64, string) {
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.ConnectTimeout)
 	defer cancel()
 	if *conn == nil {
@@ -683,27 +745,33 @@ func (s *Server) checkHost(ctx context.Context, cfg *pgconn.Config, conn **pgcon
 		if errors.As(err, &pe) && !strings.HasPrefix(pe.Code, "57P") {
 			// The server answers but refuses the role (pg_hba.conf, a password): reachable,
 			// its role unknown; its sessions' startups say it.
-			return roleUnknown, err.Error()
+			return roleUnknown, 0, err.Error()
 		}
 		if err != nil {
-			return roleDown, err.Error()
+			return roleDown, 0, err.Error()
 		}
 		*conn = c
 	}
-	res, err := (*conn).Exec(ctx, "SELECT pg_is_in_recovery()").ReadAll()
-	if err == nil && (len(res) != 1 || len(res[0].Rows) != 1 || len(res[0].Rows[0]) != 1) {
+	res, err := (*conn).Exec(ctx, hostRoleQuery).ReadAll()
+	if err == nil && (len(res) != 1 || len(res[0].Rows) != 1 || len(res[0].Rows[0]) != 2) {
 		err = errors.New("pg_is_in_recovery() gave no row")
 	}
 	if err != nil {
 		(*conn).Close(context.Background()) //nolint:errcheck
 		*conn = nil
-		return roleDown, err.Error()
+		return roleDown, 0, err.Error()
 	}
 	if string(res[0].Rows[0][0]) == "t" {
-		return roleStandby, ""
+		return roleStandby, 0, ""
 	}
-	return rolePrimary, ""
+	timeline, _ := strconv.ParseInt(string(res[0].Rows[0][1]), 10, 64)
+	return rolePrimary, timeline, ""
 }
+
+// hostRoleQuery reads whether a host is in recovery and, when it is not, the timeline it
+// writes on (of its current WAL file, as fence.lease_acquire reads it, L11).
+const hostRoleQuery = `SELECT pg_is_in_recovery(), CASE WHEN pg_is_in_recovery() THEN 0
+    ELSE ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint END`
 
 // endSessionsOn ends the sessions on host i (only the fenced ones: fenced) with code and the
 // message made for the host, saying why (the host is no primary now).

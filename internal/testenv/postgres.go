@@ -486,6 +486,55 @@ func (p *Postgres) Restart(tb testing.TB) {
 	p.Start(tb)
 }
 
+// Freeze stops the server and every process it started (SIGSTOP), as a paused VM: its
+// sockets stay open and accept connections that nothing answers. It returns thaw (SIGCONT),
+// which tb.Cleanup also runs, before the server is stopped.
+func (p *Postgres) Freeze(tb testing.TB) (thaw func()) {
+	tb.Helper()
+	p.mu.Lock()
+	proc := p.proc
+	p.mu.Unlock()
+	if proc == nil {
+		tb.Fatalf("testenv: Freeze: the server at %s:%d is not running", p.Host, p.Port)
+	}
+	pids := append([]int{proc.Pid}, Children(proc.Pid)...)
+	for _, pid := range pids {
+		syscall.Kill(pid, syscall.SIGSTOP) //nolint:errcheck // a backend that exited meanwhile
+	}
+	var once sync.Once
+	thaw = func() {
+		once.Do(func() {
+			for _, pid := range pids {
+				syscall.Kill(pid, syscall.SIGCONT) //nolint:errcheck
+			}
+		})
+	}
+	tb.Cleanup(thaw)
+	return thaw
+}
+
+// Children lists the live processes whose parent is pid (from /proc).
+func Children(pid int) []int {
+	entries, _ := os.ReadDir("/proc")
+	var out []int
+	for _, e := range entries {
+		child, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		b, err := os.ReadFile(filepath.Join("/proc", e.Name(), "stat"))
+		if err != nil {
+			continue
+		}
+		// pid (comm) state ppid ...: comm may hold spaces and parentheses.
+		f := strings.Fields(string(b[bytes.LastIndexByte(b, ')')+1:]))
+		if len(f) > 1 && f[1] == strconv.Itoa(pid) {
+			out = append(out, child)
+		}
+	}
+	return out
+}
+
 func (p *Postgres) signal(sig syscall.Signal) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
