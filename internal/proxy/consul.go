@@ -219,16 +219,11 @@ func (g *Guard) finish(ctx context.Context, client *api.Client, keys []string, c
 	g.mode = mode
 	g.client, g.names, g.fetching = client, map[string]string{}, map[string]bool{}
 	if control != "" {
-		pc, err := pgxpool.ParseConfig(control)
-		if err != nil {
-			return nil, fmt.Errorf("control database: %w", err)
-		}
 		// So that operators can tell the Guard's backends from the sessions' (pg_stat_activity,
 		// and the history's application_name of its raises).
-		pc.ConnConfig.RuntimeParams["application_name"] = GuardApplicationName
-		pool, err := pgxpool.NewWithConfig(ctx, pc)
+		pool, err := newGuardPool(ctx, control, GuardApplicationName)
 		if err != nil {
-			return nil, fmt.Errorf("control database: %w", err)
+			return nil, err
 		}
 		g.pool = pool
 		g.control = control

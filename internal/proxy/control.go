@@ -2,6 +2,8 @@ package proxy
 
 import (
 	"context"
+	"fmt"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -27,4 +29,29 @@ func onControl(ctx context.Context, pool *pgxpool.Pool, fn func(*pgx.Conn) error
 		}
 	}
 	return err
+}
+
+// controlConnectTimeout bounds a guard's control connection when its URL sets none
+// (connect_timeout): a frozen host of a multi-host URL (the paused old primary of a failover)
+// accepts the connection and never answers, and the next host is tried only after it.
+const controlConnectTimeout = 5 * time.Second
+
+// newGuardPool is a lock-service guard's pool on the control database url, named appName in
+// pg_stat_activity ("": the URL's).
+func newGuardPool(ctx context.Context, url, appName string) (*pgxpool.Pool, error) {
+	pc, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return nil, fmt.Errorf("control database: %w", err)
+	}
+	if pc.ConnConfig.ConnectTimeout <= 0 {
+		pc.ConnConfig.ConnectTimeout = controlConnectTimeout
+	}
+	if appName != "" {
+		pc.ConnConfig.RuntimeParams["application_name"] = appName
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, pc)
+	if err != nil {
+		return nil, fmt.Errorf("control database: %w", err)
+	}
+	return pool, nil
 }

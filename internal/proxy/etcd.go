@@ -104,9 +104,9 @@ func NewEtcdGuard(ctx context.Context, cfg Config, opts EtcdGuardOptions) (*Etcd
 		return nil, err
 	}
 	if s.ControlDatabase != "" {
-		if g.pool, err = pgxpool.New(ctx, s.ControlDatabase); err != nil {
+		if g.pool, err = newGuardPool(ctx, s.ControlDatabase, ""); err != nil {
 			_ = g.client.Close()
-			return nil, fmt.Errorf("control database: %w", err)
+			return nil, err
 		}
 	} else {
 		g.log.Warn("no --control-database: a new etcd leader's token is raised in the database only when it connects")

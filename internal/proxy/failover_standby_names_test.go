@@ -120,6 +120,10 @@ func TestFailoverCascadingStandbyFailsClosedAndNotReady(t *testing.T) {
 	if !strings.Contains(err.Error(), "standby s2 (not streaming from this primary: down, cut off, or cascading from another standby") {
 		t.Fatalf("the refusal does not say s2 does not stream from this primary: %v", err)
 	}
+	// It names what streams (a review's S1 for s1 read "not streaming" and nothing more).
+	if !strings.Contains(err.Error(), "names are case-sensitive, and streaming now: s1)") {
+		t.Fatalf("the refusal does not name the standbys that stream: %v", err)
+	}
 	why := strings.Join(px.Server.NotReady(ctxT(t)), "\n")
 	if !strings.Contains(why, "failover standbys cannot confirm") || !strings.Contains(why, "standby s2 (not streaming from this primary") {
 		t.Fatalf("/readyz does not say s2 cannot confirm: %q", why)

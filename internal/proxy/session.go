@@ -805,6 +805,9 @@ func (sess *session) waitStandbys(ctx context.Context, conf *live, lsn string) e
 		sess.log.Warn("failover standbys did not confirm the bind", zap.Strings("pending", nf.Pending), zap.String("lsn", lsn))
 		fe := fence.Unavailable(c.Resource, fmt.Sprintf("token %d is committed on the primary but not yet on the standbys a failover may promote: %v", c.Token, err))
 		fe.Hint = "The session is not started (fail closed). Retry once the standby streams again, or remove it from fenceproxy --failover-standbys if it can no longer be promoted (docs/failover.md)."
+		if nf.Unread {
+			fe.Hint = "The session is not started (fail closed). The proxy's --control-database connection did not answer: check that it reaches the primary (list every host with target_session_attrs=read-write), then retry (docs/failover.md)."
+		}
 		return fatalFence(fe)
 	}
 	if ctx.Err() != nil {

@@ -132,9 +132,9 @@ func NewZooKeeperGuard(ctx context.Context, cfg Config, opts ZooKeeperGuardOptio
 		return nil, err
 	}
 	if s.ControlDatabase != "" {
-		if g.pool, err = pgxpool.New(ctx, s.ControlDatabase); err != nil {
+		if g.pool, err = newGuardPool(ctx, s.ControlDatabase, ""); err != nil {
 			g.conn.Close()
-			return nil, fmt.Errorf("control database: %w", err)
+			return nil, err
 		}
 	} else {
 		g.log.Warn("no --control-database: a new ZooKeeper lock holder's token is raised in the database only when it connects",

@@ -121,6 +121,8 @@ WITH self AS (
     SELECT n AS name, 'standby' AS kind FROM unnest($1::text[]) n
     UNION SELECT n, 'slot' FROM unnest($2::text[]) n
     UNION SELECT slot_name::text, 'slot' FROM pg_replication_slots WHERE $3 AND slot_type = 'physical'
+), streaming AS (
+    SELECT coalesce(string_agg(DISTINCT r.application_name, ', '), 'none') AS names FROM pg_stat_replication r
 ), pos AS (
     SELECT w.name, w.kind,
         CASE w.kind
@@ -138,7 +140,7 @@ SELECT coalesce(array_agg(p.kind || ' ' || p.name || CASE
             WHEN p.flushed IS NULL AND p.kind = 'standby' AND p.name IN (SELECT n FROM self)
                 THEN ' (not streaming from this primary; it is also this primary''s own name: after a failover to it, take it out of --failover-standbys and reload the proxies)'
             WHEN p.flushed IS NULL AND p.kind = 'standby'
-                THEN ' (not streaming from this primary: down, cut off, or cascading from another standby, which cannot be waited for)'
+                THEN ' (not streaming from this primary: down, cut off, or cascading from another standby, which cannot be waited for; names are case-sensitive, and streaming now: ' || (SELECT names FROM streaming) || ')'
             WHEN p.flushed IS NULL THEN ' (no such physical slot, or it never streamed)'
             ELSE ' (flushed up to ' || p.flushed::text || ')' END ORDER BY p.kind, p.name)
         FILTER (WHERE p.flushed IS NULL OR p.flushed < $4::pg_lsn), '{}'),
@@ -147,14 +149,22 @@ SELECT coalesce(array_agg(p.kind || ' ' || p.name || CASE
     pg_is_in_recovery()
 FROM pos p`
 
-// NotFlushedError is a wait that ran out: Pending names what did not confirm.
+// NotFlushedError is a wait that ran out: Pending names what did not confirm, or Unread says
+// that no reading of the positions came back at all.
 type NotFlushedError struct {
 	LSN     string
 	Pending []string // e.g. "standby s1 (not streaming from this primary: ...)", "slot s2 (flushed up to 0/3000060)"
 	Timeout time.Duration
+	// Unread: the primary never answered the wait's query (a frozen or unreachable control
+	// connection), so nothing is known of the standbys (a review's message blamed them).
+	Unread bool
 }
 
 func (e *NotFlushedError) Error() string {
+	if e.Unread {
+		return fmt.Sprintf("the control database did not answer the read of the failover standbys' flush positions (%s) within %v: nothing says they have WAL position %s, and a failover to one of them could lose the commit",
+			strings.Join(e.Pending, ", "), e.Timeout, e.LSN)
+	}
 	return fmt.Sprintf("%s did not confirm the flush of WAL position %s within %v: a failover to it could lose the commit",
 		strings.Join(e.Pending, ", "), e.LSN, e.Timeout)
 }
@@ -179,8 +189,10 @@ func (s Set) WaitFlushed(ctx context.Context, q Querier, lsn string, timeout tim
 	pause := 500 * time.Microsecond
 	var pending []string
 	for {
-		var err error
-		pending, err = s.pending(wctx, q, lsn)
+		now, err := s.pending(wctx, q, lsn)
+		if err == nil {
+			pending = now // the last reading that came back names what did not confirm
+		}
 		switch {
 		case err != nil && wctx.Err() != nil:
 			return s.timedOut(ctx, lsn, pending, timeout)
@@ -244,7 +256,7 @@ func (s Set) timedOut(ctx context.Context, lsn string, pending []string, timeout
 		return ctx.Err()
 	}
 	if len(pending) == 0 {
-		pending = []string{s.String()}
+		return &NotFlushedError{LSN: lsn, Pending: []string{s.String()}, Timeout: timeout, Unread: true}
 	}
 	return &NotFlushedError{LSN: lsn, Pending: pending, Timeout: timeout}
 }
