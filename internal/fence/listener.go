@@ -63,6 +63,9 @@ type Hooks struct {
 	// Prepare adjusts the connection's settings before each (re)connection (the proxy aims
 	// it at the primary its monitor knows). Nil: the URL's settings.
 	Prepare func(*pgx.ConnConfig)
+	// Identity is told the server's identity at each (re)connection that could read it.
+	// Nil: not told.
+	Identity func(Upstream)
 	// Moved returns a channel closed when the primary may have moved: the connection is
 	// dropped and made again (a listener left on a frozen old primary hears no raise and
 	// never notices the failover). Nil: never.
@@ -127,6 +130,9 @@ func FollowUpstream(ctx context.Context, url string, reg *Registry, log *zap.Log
 				}
 			}
 			last = &now
+			if h.Identity != nil {
+				h.Identity(now)
+			}
 			return changed
 		}, func(err error) {
 			log.Warn("cannot read the upstream server's identity, so a failover to a standby goes unnoticed until the proxy restarts: grant pg_monitor (pg_control_system, pg_walfile_name) to the control database's role", zap.Error(err))

@@ -9,6 +9,7 @@ import (
 	"os"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.uber.org/zap"
 
@@ -129,6 +130,13 @@ func (p *PostgresStore) Campaign(ctx context.Context, resource string) (Lease, e
 				hint = " (grant this role EXECUTE on fence.lease_acquire, fence.lease_renew and fence.lease_release: docs/postgres-lease.md)"
 			case "ZF003", "ZF005":
 				hint = " (the lease's --database must reach PostgreSQL directly, not through fenceproxy: the lease is what gives the token)"
+			default:
+				// The database's own HINT says what to do (a newcomer had to call
+				// fence.lease_acquire in psql to read it).
+				var pe *pgconn.PgError
+				if errors.As(err, &pe) && pe.Hint != "" {
+					hint = " (" + pe.Hint + ")"
+				}
 			}
 			return nil, fmt.Errorf("lease: %w: acquire %s: %w%s", ErrRefused, leaseKey(resource), err, hint)
 		case err != nil:

@@ -257,8 +257,10 @@ func TestPostgresLease(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if _, err := store("b", time.Second).Campaign(ctx, "maxed"); !errors.Is(err, lease.ErrRefused) || !strings.Contains(err.Error(), "no higher generation") {
-			t.Errorf("Campaign at the largest token: %v, want ErrRefused saying no higher generation exists", err)
+		// ... and with the database's HINT, what to do (a newcomer had to read it in psql).
+		if _, err := store("b", time.Second).Campaign(ctx, "maxed"); !errors.Is(err, lease.ErrRefused) || !strings.Contains(err.Error(), "no higher generation") ||
+			!strings.Contains(err.Error(), "fenceproxy fence reset --force") {
+			t.Errorf("Campaign at the largest token: %v, want ErrRefused saying no higher generation exists, and the hint", err)
 		}
 	})
 

@@ -89,6 +89,9 @@ func (s *Server) NotReady(ctx context.Context) []string {
 	if s.control != nil && !s.listenSynced.Load() {
 		why = append(why, "control database listener not synced")
 	}
+	if w := s.controlMismatch(); w != "" {
+		why = append(why, w)
+	}
 	if s.control != nil {
 		// A named standby that does not stream from this primary (down, cut off, cascading)
 		// fails every fenced session's start: not ready, saying which (a review's H1).

@@ -164,10 +164,10 @@ type Config struct {
 	ConsulRequireSession bool `help:"Refuse (ZF003) sessions of Consul-validated resources without fence.session: without the holder's session the proxy cannot tell two holders of one token apart when Consul issued it twice (lost its data) while no proxy watched." name:"consul-require-session"`
 	// etcd configures token validation against etcd elections (EtcdGuard).
 	EtcdEndpoints []string `help:"etcd client URLs (comma-separated), for --etcd-resource." name:"etcd-endpoints" sep:","`
-	EtcdResources []string `help:"Resource validated against an etcd election, NAME=PREFIX (repeatable; NAME is also a --resource)." name:"etcd-resource" sep:","`
+	EtcdResources []string `help:"Resource validated against an etcd election, NAME=PREFIX (repeatable; NAME must also be given as --resource)." name:"etcd-resource" sep:","`
 	// ZooKeeper configures token validation against ZooKeeper locks (ZooKeeperGuard).
 	ZKServers   []string `help:"ZooKeeper servers, host:port (comma-separated), for --zk-resource." name:"zk-servers" sep:","`
-	ZKResources []string `help:"Resource validated against a ZooKeeper lock, NAME or NAME=PATH, PATH its lock folder (default /locks/NAME; repeatable; NAME is also a --resource)." name:"zk-resource" sep:","`
+	ZKResources []string `help:"Resource validated against a ZooKeeper lock, NAME or NAME=PATH, PATH its lock folder (default /locks/NAME; repeatable; NAME must also be given as --resource)." name:"zk-resource" sep:","`
 }
 
 // Resource is a configured resource.

@@ -356,7 +356,14 @@ func (g *Guard) AdmitHolder(ctx context.Context, c fence.Credentials) (string, e
 		cur, _ := st.Current()
 		return "", fence.NotIssued(c.Resource, c.Token, cur)
 	case errors.Is(err, lease.ErrNotHeld):
-		return "", fence.NotHeld(c.Resource, c.Token)
+		fe := fence.NotHeld(c.Resource, c.Token)
+		fe.Message += fmt.Sprintf(" (Consul key %s)", key)
+		if !st.Exists {
+			// A typo in the lock's --key looks like this too (a newcomer's): name the key.
+			fe.Message = fmt.Sprintf("fencing lock not held: the Consul lock key %s of resource %q does not exist (token %d): nobody holds it, or the lock is taken under another key", key, c.Resource, c.Token)
+			fe.Hint = fmt.Sprintf("Take the lock on the key this proxy validates: fenceproxy lock --key %s (or --resource %s=KEY here for another key).", key, c.Resource)
+		}
+		return "", fe
 	case errors.Is(err, lease.ErrSessionMismatch):
 		return "", fence.HolderMismatch(c.Resource, c.Session, st.Session)
 	case errors.Is(err, lease.ErrUnavailable):

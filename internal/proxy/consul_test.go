@@ -13,6 +13,7 @@ import (
 
 	"github.com/hashicorp/consul/api"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
@@ -116,6 +117,12 @@ func TestConsulAdmission(t *testing.T) {
 		}
 		return nil
 	})
+	// It names the key, which a typo in the lock's --key would miss (a newcomer's).
+	var pe *pgconn.PgError
+	if err := connectErr(s.url(1)); !errors.As(err, &pe) || !strings.Contains(pe.Message, "the Consul lock key locks/billing of resource \"billing\" does not exist") ||
+		!strings.Contains(pe.Hint, "fenceproxy lock --key locks/billing") {
+		t.Fatalf("a never-held lock's refusal does not name its key: %v", err)
+	}
 	sess0, _ := consulLock(t, s.client, "locks/billing")
 	if _, err := s.client.Session().Destroy(sess0, nil); err != nil {
 		t.Fatal(err)

@@ -244,8 +244,8 @@ func (g *EtcdGuard) AdmitHolder(ctx context.Context, c fence.Credentials) (strin
 	}
 	if err := admitHolder(c, l.rev, err, holderWords{
 		store:        "etcd",
-		noHolder:     fmt.Sprintf("the etcd election of resource %q has no leader (token %d); the session expired or resigned", c.Resource, c.Token),
-		noHolderHint: "Campaign again and use the new leader key's CreateRevision.",
+		noHolder:     fmt.Sprintf("the etcd election %s of resource %q has no leader (token %d); the session expired or resigned, or the election is held under another prefix", g.prefixes[c.Resource], c.Resource, c.Token),
+		noHolderHint: fmt.Sprintf("Campaign again on the prefix this proxy validates (fenceproxy lock --store etcd --prefix %s) and use the new leader key's CreateRevision.", strings.TrimSuffix(g.prefixes[c.Resource], "/")),
 		current:      "the CreateRevision %d of etcd's current leader key",
 		currentHint:  "Use the leader key's CreateRevision (concurrency.Election.Rev()) that this process won the election with.",
 		holder:       l.holder,

@@ -122,6 +122,8 @@ type Server struct {
 	// movedCh is closed (and replaced) when the monitor reads a new primary (primaryMoved).
 	movedMu sync.Mutex
 	movedCh chan struct{}
+	// controlSystem is the control database's system identifier, as its listener read it.
+	controlSystem atomic.Pointer[string]
 	// controlBase is the control database's parsed settings (nil: none), for aimAtPrimary.
 	controlBase *pgconn.Config
 	// resolve resolves host names at each dial (nil: the system's resolver).
@@ -226,8 +228,9 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 						sw.UpstreamSwitched()
 					}
 				},
-				Prepare: func(cc *pgx.ConnConfig) { s.aimAtPrimary(&cc.Config) },
-				Moved:   s.moved,
+				Prepare:  func(cc *pgx.ConnConfig) { s.aimAtPrimary(&cc.Config) },
+				Identity: func(u fence.Upstream) { s.controlSystem.Store(&u.SystemID) },
+				Moved:    s.moved,
 			})
 		}()
 		go s.warnShadowed(listenCtx)

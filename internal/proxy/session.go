@@ -460,6 +460,9 @@ func (sess *session) admit(ctx context.Context) error {
 
 func (sess *session) admitToken(ctx context.Context) error {
 	s, cred := sess.srv, sess.cred
+	if w := s.controlMismatch(); w != "" {
+		return fatalFence(fence.Unavailable(cred.Resource, w))
+	}
 	if v, ok := s.admit.(interface{ Validates(string) bool }); ok && v.Validates(cred.Resource) {
 		sess.consulChecked = true
 	}

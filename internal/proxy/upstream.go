@@ -319,6 +319,8 @@ type hostRole struct {
 	role atomic.Int32
 	// timeline is a primary's, from its last reading (0: not a primary, or not read).
 	timeline atomic.Int64
+	// system is the cluster's system identifier ("": not read, or the role may not).
+	system atomic.Pointer[string]
 	// why is the last failure, for messages (a string: no error value kept).
 	why atomic.Pointer[string]
 }
@@ -690,13 +692,14 @@ func (s *Server) monitorHost(ctx context.Context, cfg *pgconn.Config, i int, rea
 	tick := time.NewTicker(s.cfg.UpstreamCheckInterval)
 	defer tick.Stop()
 	for {
-		role, timeline, why := s.checkHost(ctx, cfg, &conn)
+		role, timeline, system, why := s.checkHost(ctx, cfg, &conn)
 		if ctx.Err() != nil {
 			return
 		}
 		prev, prevTimeline := s.roles[i].role.Load(), s.roles[i].timeline.Load()
 		if role == rolePrimary || role == roleStandby {
 			s.roles[i].timeline.Store(timeline)
+			s.roles[i].system.Store(&system)
 		}
 		s.roles[i].set(role, why)
 		if role == rolePrimary && (prev != rolePrimary || timeline > prevTimeline) {
@@ -736,7 +739,7 @@ func (s *Server) monitorHost(ctx context.Context, cfg *pgconn.Config, i int, rea
 
 // checkHost reads one host's role on *conn, connecting first when it is nil (and closing
 // it on an error).
-func (s *Server) checkHost(ctx context.Context, cfg *pgconn.Config, conn **pgconn.PgConn) (int32, int64, string) {
+func (s *Server) checkHost(ctx context.Context, cfg *pgconn.Config, conn **pgconn.PgConn) (role int32, timeline int64, system, why string) {
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.ConnectTimeout)
 	defer cancel()
 	if *conn == nil {
@@ -745,33 +748,56 @@ func (s *Server) checkHost(ctx context.Context, cfg *pgconn.Config, conn **pgcon
 		if errors.As(err, &pe) && !strings.HasPrefix(pe.Code, "57P") {
 			// The server answers but refuses the role (pg_hba.conf, a password): reachable,
 			// its role unknown; its sessions' startups say it.
-			return roleUnknown, 0, err.Error()
+			return roleUnknown, 0, "", err.Error()
 		}
 		if err != nil {
-			return roleDown, 0, err.Error()
+			return roleDown, 0, "", err.Error()
 		}
 		*conn = c
 	}
 	res, err := (*conn).Exec(ctx, hostRoleQuery).ReadAll()
-	if err == nil && (len(res) != 1 || len(res[0].Rows) != 1 || len(res[0].Rows[0]) != 2) {
+	if err == nil && (len(res) != 1 || len(res[0].Rows) != 1 || len(res[0].Rows[0]) != 3) {
 		err = errors.New("pg_is_in_recovery() gave no row")
 	}
 	if err != nil {
 		(*conn).Close(context.Background()) //nolint:errcheck
 		*conn = nil
-		return roleDown, 0, err.Error()
+		return roleDown, 0, "", err.Error()
 	}
-	if string(res[0].Rows[0][0]) == "t" {
-		return roleStandby, 0, ""
+	row := res[0].Rows[0]
+	if string(row[0]) == "t" {
+		return roleStandby, 0, string(row[2]), ""
 	}
-	timeline, _ := strconv.ParseInt(string(res[0].Rows[0][1]), 10, 64)
-	return rolePrimary, timeline, ""
+	timeline, _ = strconv.ParseInt(string(row[1]), 10, 64)
+	return rolePrimary, timeline, string(row[2]), ""
 }
 
-// hostRoleQuery reads whether a host is in recovery and, when it is not, the timeline it
-// writes on (of its current WAL file, as fence.lease_acquire reads it, L11).
+// hostRoleQuery reads whether a host is in recovery, when it is not the timeline it writes
+// on (of its current WAL file, as fence.lease_acquire reads it, L11), and its cluster's
+// system identifier when the role may read it (pg_monitor; NULL otherwise).
 const hostRoleQuery = `SELECT pg_is_in_recovery(), CASE WHEN pg_is_in_recovery() THEN 0
-    ELSE ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint END`
+    ELSE ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint END,
+    CASE WHEN has_function_privilege('pg_control_system()', 'EXECUTE')
+    THEN (SELECT system_identifier::text FROM pg_control_system()) END`
+
+// controlMismatch says why the control database is not the upstream's ("": it is, or not
+// known): its cluster's system identifier (the listener's reading) is not that of the
+// primary the monitor reads. Raises, the listener and the standby wait would read another
+// server than the sessions write to (a review's control database on another cluster: the
+// wait read that cluster's standbys, and a stale write committed after a failover).
+func (s *Server) controlMismatch() string {
+	ctrl := s.controlSystem.Load()
+	p := s.primaryHost()
+	if ctrl == nil || *ctrl == "" || p < 0 {
+		return ""
+	}
+	up := s.roles[p].system.Load()
+	if up == nil || *up == "" || *up == *ctrl {
+		return ""
+	}
+	return fmt.Sprintf("the control database (--control-database) is another cluster (system identifier %s) than the --upstream primary %s (system identifier %s): point --control-database at the upstream's hosts",
+		*ctrl, s.cfg.upstream.hosts[p], *up)
+}
 
 // endSessionsOn ends the sessions on host i (only the fenced ones: fenced) with code and the
 // message made for the host, saying why (the host is no primary now).
