@@ -6,14 +6,17 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/fenceproxy/fenceproxy/internal/fence"
 	"github.com/fenceproxy/fenceproxy/internal/proxy"
 )
 
 // TestProtectedRowsPerPartition (issue 24, part 2): a table declared with fence.protect, its
 // rows partitioned by shard into the resources billing-3 and billing-7. Through the proxy, a
-// session of each partition writes its own rows and is refused the other's (ZF012), in
-// PostgreSQL, with no rewriting; a raise of billing-3 ends its stale writer (its open
+// session of each partition writes its own rows and is refused the other's (ZF012: INSERT,
+// UPDATE, DELETE, ON CONFLICT DO UPDATE, a move between partitions, COPY), in PostgreSQL, with
+// no rewriting; a raise of billing-3 ends its stale writer (its open
 // transaction never commits, its token is refused), while billing-7's session writes on; the
 // new token of billing-3 takes over its rows, which then carry it; a session without a token
 // (a direct connection) writes nothing (ZF003).
@@ -51,6 +54,16 @@ func TestProtectedRowsPerPartition(t *testing.T) {
 			t.Fatalf("%s: ZF012 without a hint: %v", c.sql, err)
 		}
 	}
+	// COPY, the pgx way (CopyFrom): its rows are checked one by one too.
+	copyRows := func(conn *pgx.Conn, rows ...[]any) error {
+		_, err := conn.CopyFrom(ctx, pgx.Identifier{"charges"}, []string{"id", "shard", "amount"}, pgx.CopyFromRows(rows))
+		return err
+	}
+	wantCode(t, copyRows(s3, []any{int64(36), int32(3), int32(1)}, []any{int64(74), int32(7), int32(1)}), fence.CodeNotBound)
+	if err := copyRows(s7, []any{int64(74), int32(7), int32(1)}); err != nil {
+		t.Fatal(err)
+	}
+	mustExec(t, s7, `DELETE FROM charges WHERE id = 74`)
 	if got := rowsOf(t, admin); got != "31 3 11 1, 32 3 21 1, 71 7 11 1" {
 		t.Fatalf("rows after the refused writes: %s", got)
 	}

@@ -6,7 +6,7 @@
 \ir _psql.psql
 
 BEGIN;
-SELECT plan(64);
+SELECT plan(65);
 \ir _helpers.psql
 
 SELECT pg_temp.store_key() \g /dev/null
@@ -109,6 +109,9 @@ SELECT throws_ok($$SELECT dblink_exec('s3', 'DELETE FROM public.tap_charges WHER
     '(R1) ... a DELETE');
 SELECT throws_ok($$SELECT dblink_exec('s3', 'INSERT INTO public.tap_charges VALUES (100, 3, 5) ON CONFLICT (id) DO UPDATE SET amount = 0')$$,
     'ZF012', NULL, '(R1) ... an INSERT ON CONFLICT DO UPDATE of it');
+SELECT throws_ok($$SELECT dblink_exec('s3', 'MERGE INTO public.tap_charges AS c USING (VALUES (100, 0), (8, 0)) AS v(id, amount) ON c.id = v.id
+        WHEN MATCHED THEN UPDATE SET amount = v.amount WHEN NOT MATCHED THEN INSERT VALUES (v.id, 3, v.amount)')$$,
+    'ZF012', NULL, '(R1) ... a MERGE that updates it');
 SELECT throws_ok($$SELECT dblink_exec('s3', 'UPDATE public.tap_charges SET shard = 7 WHERE id = 1')$$, 'ZF012', NULL,
     '(R1) ... an UPDATE that moves a row of its own to tap-billing-7');
 SELECT throws_ok($$SELECT dblink_exec('s7', 'UPDATE public.tap_charges SET shard = 7 WHERE id = 1')$$, 'ZF012', NULL,
