@@ -9,9 +9,9 @@
 -- fenced is refused (ZF003) unless the table's owner allowed it, and then writes unchecked
 -- and unstamped (R4).
 --
--- It reads the binding without a lock (R3): the binding this backend's bind committed is
--- the one its transaction runs under until a raise of the resource ends the backend
--- and the raise commits only once the backend exited, its open transaction aborted.
+-- It reads the binding without a lock (R3): the binding this backend's bind committed
+-- before the client's first statement holds until a raise of its resource ends the backend,
+-- and that raise commits only once the backend has exited, its open transaction aborted.
 --
 -- SECURITY INVOKER: the expression, the table owner's, runs with the writer's rights, never
 -- the fence schema owner's. The search_path is pinned (R5) so that a writer cannot resolve
