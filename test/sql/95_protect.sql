@@ -6,7 +6,7 @@
 \ir _psql.psql
 
 BEGIN;
-SELECT plan(65);
+SELECT plan(69);
 \ir _helpers.psql
 
 SELECT pg_temp.store_key() \g /dev/null
@@ -200,6 +200,10 @@ SELECT lives_ok($$SELECT dblink_exec('w', 'INSERT INTO public.tap_charges (id, s
 SELECT is(pg_temp.remote('adm', 'SELECT fence_token::text FROM public.tap_charges WHERE id = 50'), '3', '(R4) ... unstamped');
 SELECT throws_ok($$SELECT dblink_exec('s7', 'DELETE FROM public.tap_charges WHERE id = 50')$$, 'ZF012', NULL,
     '(R4) a fenced session is checked all the same');
+SELECT throws_ok($$SELECT dblink_exec('s7', 'TRUNCATE public.tap_charges')$$, 'ZF008', NULL,
+    '(R4) ... and may not TRUNCATE');
+SELECT lives_ok($$SELECT dblink_exec('w', 'BEGIN; TRUNCATE public.tap_charges; ROLLBACK')$$,
+    '(R4) a session without a token may TRUNCATE then');
 
 -- A partitioned table (R1, R4): the row trigger on every partition, present and later; the
 -- TRUNCATE trigger on each partition fence.protect saw.
@@ -221,6 +225,11 @@ SELECT throws_ok($$SELECT dblink_exec('s7', 'UPDATE public.tap_parted SET shard 
     '(R1) ... and an UPDATE that moves its row to another partition');
 SELECT throws_ok($$SELECT dblink_exec('s7', 'TRUNCATE public.tap_parted_7')$$, 'ZF008', NULL,
     '(R4) TRUNCATE of a partition is ZF008');
+
+SELECT lives_ok($$SELECT pg_temp.remote('own', $q$SELECT fence.protect('public.tap_parted', $e$'tap-billing-' || shard$e$)$q$)$$,
+    '(R4) fence.protect again after a partition was added');
+SELECT throws_ok($$SELECT dblink_exec('s7', 'TRUNCATE public.tap_parted_9')$$, 'ZF008', NULL,
+    '(R4) ... puts the TRUNCATE trigger on it too');
 
 -- fence.unprotect takes the triggers off; fence_token stays.
 SELECT lives_ok($$SELECT pg_temp.remote('own', $q$SELECT fence.unprotect('public.tap_parted')$q$)$$, 'fence.unprotect by the owner');
