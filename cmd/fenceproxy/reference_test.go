@@ -219,7 +219,8 @@ client is told at once with the ` + "`FATAL`" + `, and the proxy keeps its conne
 up to 5 minutes until it sends its next statement, which gets the error and its
 ` + "`ReadyForQuery`" + ` before the end, so that a frozen leader that wakes still reads ` + "`ZF001`" + `
 ([what each driver shows](applications.md#errors-in-your-driver)). Errors of a client's own calls of ` + "`fence.*`" + ` functions (` + "`ZF004`" + `,
-` + "`ZF007`" + `, ` + "`ZF008`" + `, ` + "`ZF010`" + `, ` + "`ZF011`" + `) are ordinary ` + "`ERROR`" + `s in a session that goes on.
+` + "`ZF007`" + `, ` + "`ZF008`" + `, ` + "`ZF010`" + `, ` + "`ZF011`" + `) are ordinary ` + "`ERROR`" + `s in a session that goes on, and so are the
+refusals of a protected table's writes (` + "`ZF012`" + `, and ` + "`ZF001`" + `, ` + "`ZF003`" + `, ` + "`ZF008`" + ` from its trigger: [partitions](partitions.md)).
 
 Other SQLSTATEs the proxy sends: ` + "`53300`" + ` (more than ` + "`--max-clients`" + `), ` + "`54000`" + ` (a message above
 ` + "`--max-message-size`" + `), ` + "`57P01`" + ` (shutdown, or a backend the server ended when the proxy cannot

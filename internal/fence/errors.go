@@ -60,6 +60,11 @@ const (
 	// A raise could not end the backends bound to lower tokens within 5 s, or prepared
 	// transactions exist in the database; nothing was raised. Message: "fencing raise failed".
 	CodeRaiseFailed = "ZF011"
+	// A write to a row of a protected table (fence.protect) whose resource this session is
+	// not bound to: the row's resource (before or after an UPDATE) is another partition's.
+	// Message: "fencing resource not bound". A write to a row written under a higher token is
+	// ZF001; a session without a token on a protected table, ZF003; TRUNCATE of one, ZF008.
+	CodeNotBound = "ZF012"
 )
 
 // Error is a fencing rejection. It carries the SQLSTATE the client sees.

@@ -17,8 +17,8 @@ SELECT has_table('fence', 'bindings', 'fence.bindings exists');
 SELECT has_table('fence', 'keys', 'fence.keys exists');
 SELECT has_table('fence', 'goose_db_version', 'goose keeps its version table in the fence schema');
 SELECT hasnt_table('public', 'goose_db_version', 'no goose version table in public');
-SELECT is((SELECT max(version_id) FROM fence.goose_db_version WHERE is_applied), 14::bigint,
-    'the schema is at version 14');
+SELECT is((SELECT max(version_id) FROM fence.goose_db_version WHERE is_applied), 15::bigint,
+    'the schema is at version 15');
 
 -- fence.tokens (version 1, unchanged).
 SELECT col_type_is('fence', 'tokens', 'resource', 'text', 'tokens.resource is text');
@@ -87,12 +87,13 @@ SELECT function_returns('fence', 'raise', ARRAY['text', 'bigint', 'text'], 'bigi
 SELECT function_returns('fence', 'reset', ARRAY['text', 'bigint'], 'bigint');
 SELECT function_returns('fence', 'settled', ARRAY['text', 'bigint', 'text'], 'bigint');
 SELECT function_returns('fence', 'proof', ARRAY['text', 'text', 'bigint', 'integer'], 'text');
-SELECT is((SELECT count(*) FROM pg_proc WHERE pronamespace = 'fence'::regnamespace), 23::bigint,
-    'the fence schema holds exactly twenty-three functions');
+SELECT is((SELECT count(*) FROM pg_proc WHERE pronamespace = 'fence'::regnamespace), 27::bigint,
+    'the fence schema holds exactly twenty-seven functions');
 SELECT is(array_agg(p.oid::regprocedure::text ORDER BY p.oid::regprocedure::text), NULL,
-    'every fence function is SECURITY DEFINER')
+    'every fence function is SECURITY DEFINER but fence.mac and those of protected tables (95_protect.sql)')
 FROM pg_proc AS p WHERE p.pronamespace = 'fence'::regnamespace AND NOT p.prosecdef
-  AND p.oid <> 'fence.mac(bytea,text,text,bigint,integer)'::regprocedure;
+  AND p.oid <> 'fence.mac(bytea,text,text,bigint,integer)'::regprocedure
+  AND p.proname NOT IN ('protect', 'protect_row', 'unprotect');
 SELECT is(array_agg(p.oid::regprocedure::text ORDER BY p.oid::regprocedure::text), NULL,
     'every fence function pins search_path to pg_catalog, pg_temp')
 FROM pg_proc AS p
@@ -161,8 +162,9 @@ SELECT is((SELECT relpersistence::text FROM pg_class WHERE oid = 'fence.bindings
     'fence.bindings is UNLOGGED: a binding means nothing once its backend is gone, and no backend outlives a crash');
 SELECT is((SELECT relpersistence::text FROM pg_class WHERE oid = 'fence.tokens'::regclass), 'p',
     'fence.tokens is logged: an admitted token survives a crash');
-SELECT is(array_agg(p.proname::text ORDER BY p.proname), ARRAY['bind', 'consul_admit', 'consul_regress', 'lease_bind', 'raise', 'settled'],
-    'PUBLIC may execute exactly fence.bind, fence.consul_admit, fence.consul_regress, fence.lease_bind, fence.raise and fence.settled (each needs the proxy''s proof)')
+SELECT is(array_agg(p.proname::text ORDER BY p.proname),
+    ARRAY['bind', 'consul_admit', 'consul_regress', 'lease_bind', 'protect', 'protect_row', 'raise', 'session_bindings', 'settled', 'unprotect'],
+    'PUBLIC may execute exactly fence.bind, fence.consul_admit, fence.consul_regress, fence.lease_bind, fence.raise and fence.settled (each needs the proxy''s proof), fence.session_bindings (its own), and fence.protect, fence.protect_row and fence.unprotect (SECURITY INVOKER)')
 FROM pg_proc AS p
 WHERE p.pronamespace = 'fence'::regnamespace AND has_function_privilege('tap_nobody', p.oid, 'EXECUTE');
 
