@@ -111,7 +111,7 @@ func IsFencing(err error) (*Error, bool) {
 	return nil, false
 }
 
-const howToPass = "pass the lock's token (Consul's LockIndex, or the PostgreSQL lease's generation) as the startup parameter fence.token with fence.resource, " +
+const howToPass = "pass the lock's token (FENCE_TOKEN of fenceproxy lock: Consul's LockIndex, etcd's leader key revision, ZooKeeper's lock node czxid, or the PostgreSQL lease's generation) as the startup parameter fence.token with fence.resource, " +
 	"e.g. options='-c fence.resource=billing -c fence.token=34' (libpq, PGOPTIONS) or ?fence.resource=billing&fence.token=34 (pgx)"
 
 // Stale is the rejection of a token lower than the highest admitted one.
