@@ -130,8 +130,11 @@ func TestFailoverCascadingStandbyFailsClosedAndNotReady(t *testing.T) {
 	}
 
 	upstream := failoverProxy(t, pg, "s1")
-	if why := upstream.Server.NotReady(ctxT(t)); len(why) > 0 {
-		t.Fatalf("a proxy naming the streaming s1 is not ready: %q", why)
-	}
+	eventually(t, 15*time.Second, "a proxy naming the streaming s1 ready", func() error {
+		if why := upstream.Server.NotReady(ctxT(t)); len(why) > 0 {
+			return fmt.Errorf("not ready: %q", why)
+		}
+		return nil
+	})
 	connect(t, upstream.FenceURL("app", "postgres", "billing", 1)).Close(ctxT(t))
 }

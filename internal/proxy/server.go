@@ -120,8 +120,9 @@ type Server struct {
 	firstRound     chan struct{}
 	firstRoundOnce sync.Once
 	// movedCh is closed (and replaced) when the monitor reads a new primary (primaryMoved).
-	movedMu sync.Mutex
-	movedCh chan struct{}
+	movedMu     sync.Mutex
+	movedCh     chan struct{}
+	primarySeen atomic.Bool // the monitor has read a primary once
 	// controlSystem is the control database's system identifier, as its listener read it.
 	controlSystem atomic.Pointer[string]
 	// controlBase is the control database's parsed settings (nil: none), for aimAtPrimary.

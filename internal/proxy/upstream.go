@@ -702,8 +702,12 @@ func (s *Server) monitorHost(ctx context.Context, cfg *pgconn.Config, i int, rea
 			s.roles[i].system.Store(&system)
 		}
 		s.roles[i].set(role, why)
-		if role == rolePrimary && (prev != rolePrimary || timeline > prevTimeline) {
-			s.primaryMoved()
+		if role == rolePrimary {
+			// Another primary than the one the control connections were made to: not the
+			// first reading, which names the one they reached.
+			if s.primarySeen.Swap(true) && (prev != rolePrimary || timeline > prevTimeline) {
+				s.primaryMoved()
+			}
 		}
 		s.monitored.Store(true)
 		once.Do(read)
