@@ -197,6 +197,6 @@ func (f *FenceResetCmd) Run(ctx context.Context, log *zap.Logger) error {
 		return fmt.Errorf("fence.reset: %w", err)
 	}
 	log.Warn("fencing token reset", zap.String("resource", f.Resource), zap.Int64("token", f.Token))
-	fmt.Printf("resource %q: stored token set to %d; proxies whose --control-database is this database follow it at once; restart the others (they refuse tokens below the highest they saw)\n", f.Resource, f.Token)
+	fmt.Printf("resource %q: stored token set to %d; proxies whose --control-database is this database follow it at once, except those that validate it with etcd or ZooKeeper (a regression they saw holds until they restart); restart the others (they refuse tokens below the highest they saw)\n", f.Resource, f.Token)
 	return nil
 }

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os/signal"
+	"syscall"
 	"time"
 
 	"go.uber.org/zap"
@@ -59,6 +61,10 @@ type LockCmd struct {
 // Run campaigns and supervises the command until it exits; it returns the command's exit
 // status as an error with an ExitCode method when it is not 0.
 func (c *LockCmd) Run(ctx context.Context, log *zap.Logger) error {
+	// A hangup (the terminal closed) stops it like SIGTERM: the child stopped, the lock
+	// released; by default it killed the supervisor silently and left the lock held.
+	ctx, stopHUP := signal.NotifyContext(ctx, syscall.SIGHUP)
+	defer stopHUP()
 	command := c.Command
 	if len(command) > 0 && command[0] == "--" {
 		// kong's passthrough keeps the separator.
@@ -89,7 +95,7 @@ func (c *LockCmd) Run(ctx context.Context, log *zap.Logger) error {
 		Logger:      log,
 	})
 	if err != nil && ctx.Err() != nil && errors.Is(err, ctx.Err()) {
-		// SIGTERM or SIGINT before the lock was won: what a service manager's stop does,
+		// SIGTERM, SIGINT or SIGHUP before the lock was won: what a service manager's stop does,
 		// a normal exit (the child, when it ran, reports its own status).
 		log.Info("stopped by SIGTERM or SIGINT before the lock was acquired", zap.String("resource", c.Resource))
 		return nil

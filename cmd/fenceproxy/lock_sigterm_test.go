@@ -26,7 +26,7 @@ func TestLockSIGTERMIsANormalExit(t *testing.T) {
 	// Another holder has the lease for a minute: the command campaigns.
 	pg.Exec(t, "SELECT fence.lease_acquire('held', 'someone else', '60 s')")
 
-	stop := func(t *testing.T, resource, script string, started func() bool) (int, string) {
+	stop := func(t *testing.T, sig syscall.Signal, resource, script string, started func() bool) (int, string) {
 		t.Helper()
 		var logs syncBuffer // read while the command writes it
 		cmd := exec.Command(bin, "lock", "--store", "postgres", "--database", admin, "--resource", resource,
@@ -42,7 +42,7 @@ func TestLockSIGTERMIsANormalExit(t *testing.T) {
 			}
 			return nil
 		})
-		if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		if err := cmd.Process.Signal(sig); err != nil {
 			t.Fatal(err)
 		}
 		err := cmd.Wait()
@@ -63,7 +63,7 @@ func TestLockSIGTERMIsANormalExit(t *testing.T) {
 
 	t.Run("while campaigning", func(t *testing.T) {
 		conn := testenv.Connect(t, admin)
-		code, logs := stop(t, "held", "exit 3", func() bool {
+		code, logs := stop(t, syscall.SIGTERM, "held", "exit 3", func() bool {
 			// Its campaign's connection: its signal handler is installed by then.
 			var n int
 			err := conn.QueryRow(t.Context(), "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'fenceproxy lock held'").Scan(&n)
@@ -79,7 +79,7 @@ func TestLockSIGTERMIsANormalExit(t *testing.T) {
 	})
 	t.Run("while the child runs", func(t *testing.T) {
 		mark := filepath.Join(t.TempDir(), "started")
-		code, logs := stop(t, "free", `trap 'exit 0' TERM; touch "`+mark+`"; sleep 300 & wait`, func() bool {
+		code, logs := stop(t, syscall.SIGTERM, "free", `trap 'exit 0' TERM; touch "`+mark+`"; sleep 300 & wait`, func() bool {
 			_, err := os.Stat(mark)
 			return err == nil
 		})
@@ -87,5 +87,23 @@ func TestLockSIGTERMIsANormalExit(t *testing.T) {
 			t.Errorf("exit %d, want the child's 0:\n%s", code, logs)
 		}
 		noError(t, logs)
+	})
+	// SIGHUP (a terminal that closed) stops it the same way, the lock released: it killed
+	// the supervisor silently, the child with it, and left the lock held until its TTL (a
+	// newcomer's).
+	t.Run("SIGHUP while the child runs", func(t *testing.T) {
+		mark := filepath.Join(t.TempDir(), "started")
+		code, logs := stop(t, syscall.SIGHUP, "hup", `trap 'exit 0' TERM; touch "`+mark+`"; sleep 300 & wait`, func() bool {
+			_, err := os.Stat(mark)
+			return err == nil
+		})
+		if code != 0 {
+			t.Errorf("exit %d, want the child's 0:\n%s", code, logs)
+		}
+		noError(t, logs)
+		var held bool
+		if err := testenv.Connect(t, admin).QueryRow(t.Context(), "SELECT holder IS NOT NULL FROM fence.leases WHERE resource = 'hup'").Scan(&held); err != nil || held {
+			t.Errorf("the lease after SIGHUP: held %v, %v; want released", held, err)
+		}
 	})
 }

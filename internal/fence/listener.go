@@ -202,6 +202,9 @@ func listenOnce(ctx context.Context, url string, h Hooks, reg *Registry, ready f
 		}
 		var up Upstream
 		if err := conn.QueryRow(ctx, identityQuery).Scan(&up.SystemID, &recovering, &up.Timeline); err != nil {
+			if ctx.Err() != nil {
+				return err // cut (a stop, or the primary moved): no privilege is missing
+			}
 			// Without it a failover is noticed only by its effects: say what to grant.
 			identityErr(err)
 		} else {

@@ -418,7 +418,7 @@ func (g *Guard) unreachable(resource string, timedOut bool, err error) *fence.Er
 	}
 	fe := fence.Unavailable(resource, why+"; no token is admitted without Consul's word")
 	fe.Hint = "Check that Consul is up and answers from this host (consul members; curl " + g.addr + "/v1/status/leader). " +
-		"To admit tokens on the database's word while Consul is down, run the proxy with --consul-down trust-database (README: When Consul is unreachable)."
+		"To admit tokens on the database's word while Consul is down, run the proxy with --consul-down trust-database (docs/consul.md: When Consul is unreachable)."
 	return fe
 }
 

@@ -298,6 +298,7 @@ func admitHolder(c fence.Credentials, current int64, err error, w holderWords) e
 	case !strings.EqualFold(c.Session, w.holder):
 		fe := fence.HolderMismatch(c.Resource, c.Session, w.holder)
 		fe.Message = fmt.Sprintf("fencing session mismatch: resource %q token %d is held by %s %s, not %s", c.Resource, c.Token, w.holderKind, w.holder, c.Session)
+		fe.Hint = fmt.Sprintf("This process is no longer the leader, or fence.session is not its %s ID in hex (FENCE_SESSION of fenceproxy lock; a newcomer passed it in decimal).", w.holderKind)
 		return fe
 	}
 	return nil

@@ -209,7 +209,11 @@ func TestEtcdGuardSameTokenUnrecorded(t *testing.T) {
 		t.Errorf("refusal does not name the holder's lease %s: %v", b.Holder(), err)
 	}
 	wantCode(t, connectErr(url()), fence.CodeMissing)
-	wantCode(t, connectErr(url("fence.session=garbage")), fence.CodeHolderMismatch)
+	err = connectErr(url("fence.session=garbage"))
+	wantCode(t, err, fence.CodeHolderMismatch)
+	if pe := pgErrorOf(err); pe == nil || !strings.Contains(pe.Hint, "ID in hex") {
+		t.Errorf("a mismatched session's hint does not say the ID is hex: %v", err)
+	}
 	mustExec(t, bc, "INSERT INTO items (tag, token) VALUES ('b again', $1)", b.Token())
 	if n := count(t, admin, "SELECT count(*)::int FROM items WHERE tag LIKE 'a%'"); n != 0 {
 		t.Errorf("%d rows of the first holder, want 0", n)
