@@ -442,9 +442,13 @@ func (w *Watcher) Validate(ctx context.Context, key string, token int64, session
 	cur := k.state
 	hist := keyWatch{key: key, mode: k.mode, highest: k.highest, createIndex: k.createIndex, holder: k.holder}
 	w.mu.Unlock()
-	if err := cur.usable(); err != nil {
-		return cur, err
+	if cur.Regression != nil {
+		return cur, cur.Regression
 	}
+	// A watch that lost Consul (state not Known) waits out its backoff before it reads
+	// again: the consistent read below answers now, checked against the same history (a
+	// newcomer's holders were refused "Consul unreachable" for seconds after a 3 s restart of
+	// Consul that was answering again). It fails as the watch did while Consul is down.
 
 	s, err := Read(ctx, w.client, key)
 	s.Mode = k.mode

@@ -404,3 +404,25 @@ func TestWatcherConsulHung(t *testing.T) {
 		t.Errorf("after resume: %s", describe(st))
 	}
 }
+
+// TestWatcherValidateReadsWhileTheWatchWaits: a watch that lost Consul waits out its backoff
+// before it reads again; Validate reads at once, so that a holder is admitted as soon as
+// Consul answers (a newcomer's two replicas were refused "Consul unreachable" after a 3 s
+// restart of Consul that already answered them, and both exited).
+func TestWatcherValidateReadsWhileTheWatchWaits(t *testing.T) {
+	t.Parallel()
+	c := testenv.StartConsul(t)
+	client := c.Client(t)
+	const key = "locks/waits"
+	w, rec := watch(t, client, lease.WatcherConfig{Keys: []string{key}, WaitTime: time.Second, RetryMin: time.Minute, RetryMax: time.Minute})
+	l := acquire(t, newSession(t, client, lease.WithTTL(30*time.Second)), key)
+	rec.waitFor(t, "held", func(s lease.State) bool { return s.Held })
+	c.Pause(t)
+	rec.waitFor(t, "unknown", func(s lease.State) bool { return !s.Known })
+	c.Resume(t) // the watch retries in a minute
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if _, err := w.Validate(ctx, key, l.Token(), l.Session().ID()); err != nil {
+		t.Fatalf("Validate with Consul answering, the watch waiting: %v", err)
+	}
+}
