@@ -122,7 +122,7 @@ type Server struct {
 	// movedCh is closed (and replaced) when the monitor reads a new primary (primaryMoved).
 	movedMu     sync.Mutex
 	movedCh     chan struct{}
-	primarySeen atomic.Bool // the monitor has read a primary once
+	lastPrimary atomic.Pointer[primaryMark] // the primary the monitor read last (nil: none yet)
 	// controlSystem is the control database's system identifier, as its listener read it.
 	controlSystem atomic.Pointer[string]
 	// controlBase is the control database's parsed settings (nil: none), for aimAtPrimary.

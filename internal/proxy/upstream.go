@@ -411,6 +411,12 @@ func (s *Server) primaryHost() int {
 	return best
 }
 
+// primaryMark is the primary the monitor last read: its host and timeline.
+type primaryMark struct {
+	host     int
+	timeline int64
+}
+
 // primaryMoved tells whoever waits on movedCh that the primary may have moved.
 func (s *Server) primaryMoved() {
 	s.movedMu.Lock()
@@ -696,16 +702,19 @@ func (s *Server) monitorHost(ctx context.Context, cfg *pgconn.Config, i int, rea
 		if ctx.Err() != nil {
 			return
 		}
-		prev, prevTimeline := s.roles[i].role.Load(), s.roles[i].timeline.Load()
+		prev := s.roles[i].role.Load()
 		if role == rolePrimary || role == roleStandby {
 			s.roles[i].timeline.Store(timeline)
 			s.roles[i].system.Store(&system)
 		}
 		s.roles[i].set(role, why)
-		if role == rolePrimary {
-			// Another primary than the one the control connections were made to: not the
-			// first reading, which names the one they reached.
-			if s.primarySeen.Swap(true) && (prev != rolePrimary || timeline > prevTimeline) {
+		if p := s.primaryHost(); p >= 0 {
+			// Another primary than the one the control connections were made to (another
+			// host, or a newer timeline): not the first reading, which names the one they
+			// reached, nor the same primary read again after a failed reading (a listener
+			// made to reconnect for nothing lost notifications under load).
+			now := primaryMark{host: p, timeline: s.roles[p].timeline.Load()}
+			if last := s.lastPrimary.Swap(&now); last != nil && (last.host != now.host || now.timeline > last.timeline) {
 				s.primaryMoved()
 			}
 		}
