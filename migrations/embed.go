@@ -17,7 +17,7 @@ import "embed"
 // Version is the fence schema version this code requires and installs: the one place it is
 // stated. Raise it by one for every released change of baseline.sql, upgrade/ or functions/
 // (docs/schema.md).
-const Version = 15
+const Version = 16
 
 // FS holds baseline.sql, upgrade/*.sql and functions/*.sql.
 //

@@ -107,7 +107,17 @@ func migrateTx(ctx context.Context, tx pgx.Tx) ([]int64, error) {
 	if err != nil {
 		return nil, err
 	}
+	bodiesUnchecked := false
 	for _, name := range scripts {
+		if strings.HasPrefix(name, "functions/") && !bodiesUnchecked {
+			// The function files run in name order, and a LANGUAGE sql body names functions
+			// of later files (fence.bind's fence.bind_full and fence.mac): each body is checked
+			// when it is first called, as pg_dump's restores do.
+			if _, err := tx.Exec(ctx, "SET LOCAL check_function_bodies = off"); err != nil {
+				return nil, fmt.Errorf("fence: migrate: %w", err)
+			}
+			bodiesUnchecked = true
+		}
 		sql, err := fs.ReadFile(migrations.FS, name)
 		if err != nil {
 			return nil, fmt.Errorf("fence: migrate: %w", err)

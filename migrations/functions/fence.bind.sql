@@ -8,118 +8,65 @@
 -- expired or was released (ZF006) (L6). A bind that raises commits with synchronous_commit on
 -- (D1); one that raises nothing does not wait for the WAL flush, unless synchronous standbys
 -- are configured (D3).
+--
+-- Every fenced session start runs it in a brand-new backend, where each statement is parsed
+-- and planned, each relation's cache entry built and each procedural language loaded for the
+-- first time: that, not the work, is its cost (docs/BENCHMARKS.md, Session start). So the
+-- common case, the token stored already, is this one SQL statement, without PL/pgSQL; every
+-- other case (a raise, a refusal and its error, a first bind of the resource, a leftover
+-- binding of this pid, the sweep of one bind in 64) takes none of its effects and goes to
+-- fence.bind_full, which decides it all again with fresh snapshots.
+--
+-- The common case, in one statement:
+--   (P5) the proof is checked in the WHERE clause below the row lock: a call without the
+--        proxy's proof locks nothing (its open transaction could stall every raise);
+--   (P1) R's row of fence.tokens is locked FOR SHARE, under READ COMMITTED only: a raise in
+--        flight holds it FOR UPDATE, and once it commits the lock re-reads the row's newest
+--        version and re-checks the WHERE clause (EvalPlanQual), so a raised token fails
+--        t.token = token and the call goes to fence.bind_full;
+--   (P3) it binds only when the stored token is the session's own (a lower one is
+--        fence.bind_full's ZF001, a higher one its raise);
+--   (L6) only when no lease row refuses the token: above the lease's generation, or the
+--        generation of an expired or released lease;
+--   (D1, D3) it turns synchronous_commit off for its transaction (nothing durable changes: the
+--        binding is unlogged, the row lock matters only until commit) unless something earlier
+--        in the transaction asked for durability (fence.consul_admit's record) or synchronous
+--        standbys are configured, when it commits durably (fence.commit_durably) so that its
+--        commit follows a raise whose wait for them was cancelled.
+-- The binding's row replaces those of earlier backends with this pid (they have exited: pids
+-- are unique among live backends) only when fence.bind_full does it; here this backend has
+-- none, so the row is only inserted.
 CREATE OR REPLACE FUNCTION fence.bind(resource text, token bigint, proof text)
 RETURNS bigint
-LANGUAGE plpgsql
+LANGUAGE sql
 VOLATILE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $fn$
-DECLARE
-    p_resource ALIAS FOR $1;
-    p_token    ALIAS FOR $2;
-    p_proof    ALIAS FOR $3;
-    me         integer := pg_backend_pid();
-    expected   text;
-    started    timestamptz;
-    stored     bigint;
-    bound      text;
-    lease_gen  bigint;
-    lease_live boolean;
-BEGIN
-    -- One statement for what the common case needs: the expected proof, this backend's
-    -- start, the stored token (unlocked: it only chooses the lock below) and this backend's
-    -- binding, if any. Every session start runs this, so it is kept to few statements.
-    SELECT fence.mac(k.key, 'bind', p_resource, p_token, me), a.backend_start,
-           (SELECT t.token FROM fence.tokens AS t WHERE t.resource = p_resource),
-           (SELECT pg_catalog.format('resource "%s" token %s', b.resource, b.token)
-            FROM fence.bindings AS b WHERE b.pid = me AND b.backend_start = a.backend_start),
-           l.generation, l.holder IS NOT NULL AND l.expires_at OPERATOR(pg_catalog.>) pg_catalog.clock_timestamp()
-    INTO expected, started, stored, bound, lease_gen, lease_live
-    FROM pg_stat_get_activity(me) AS a LEFT JOIN fence.keys AS k ON k.id = 1
-    LEFT JOIN fence.leases AS l ON l.resource = p_resource;
-    IF expected IS NULL OR p_proof IS DISTINCT FROM expected OR started IS NULL
-       OR p_token IS NULL OR p_token <= 0 OR p_resource IS NULL OR p_resource !~ '^[a-z][a-z0-9_.-]{0,62}$'
-       OR current_setting('transaction_isolation') <> 'read committed' THEN
-        -- (P5) Raises the error that applies (malformed, isolation, no key, wrong proof).
-        PERFORM fence.verify('bind', p_resource, p_token, p_proof);
-        RAISE EXCEPTION USING
-            ERRCODE = 'ZF007',
-            MESSAGE = 'fencing unavailable: the bind cannot read this backend''s backend_start',
-            HINT = 'The fence schema''s owner needs pg_read_all_stats (README: Privileges).';
-    END IF;
-    IF bound IS NOT NULL THEN
-        RAISE EXCEPTION USING
-            ERRCODE = 'ZF008',
-            MESSAGE = format('not allowed in a fenced session: this session is bound to %s already; a session is bound once', bound),
-            HINT = 'Reconnect with the new token.';
-    END IF;
-
-    -- (L6) A resource with a lease row admits only what its acquisitions issued: never a token
-    -- above the generation, and the current generation only while its lease is held. Checked
-    -- before anything is raised. A lower token is refused below (ZF001): every acquisition
-    -- raised its generation (L2).
-    IF lease_gen IS NOT NULL AND p_token > lease_gen THEN
-        RAISE EXCEPTION USING
-            ERRCODE = 'ZF002',
-            MESSAGE = format('fencing token not issued: resource "%s" token %s is higher than the lease''s current generation %s',
-                             p_resource, p_token, lease_gen),
-            HINT = 'Use the generation fence.lease_acquire returned (fenceproxy lock --store postgres passes it as FENCE_TOKEN).';
-    END IF;
-    IF lease_gen IS NOT NULL AND p_token = lease_gen AND NOT lease_live THEN
-        RAISE EXCEPTION USING
-            ERRCODE = 'ZF006',
-            MESSAGE = format('fencing lock not held: the lease of resource "%s" (generation %s) expired or was released',
-                             p_resource, p_token),
-            HINT = 'This process is no longer the leader: acquire the lease again and use the new generation.';
-    END IF;
-
-    IF stored IS NULL OR stored < p_token THEN
-        stored := fence.raise_locked(p_resource, p_token); -- (P1) FOR UPDATE
-    ELSE
-        -- (P1) FOR SHARE: waits for a raise in flight, then reads its token.
-        SELECT t.token INTO STRICT stored FROM fence.tokens AS t WHERE t.resource = p_resource FOR SHARE;
-        IF stored < p_token THEN
-            -- Lowered by fence.reset since the first read: raise after all.
-            stored := fence.raise_locked(p_resource, p_token);
-        ELSE
-            -- Nothing durable changes (the binding is unlogged, the row lock matters only
-            -- until commit): no need to wait for the WAL flush. Unless something earlier in
-            -- this transaction must be durable (D1: fence.consul_admit's record, in the same
-            -- statement as this bind); a raise commits with synchronous_commit on (D1).
-            -- (D3) Nor with synchronous standbys: a raise whose wait for them was cancelled
-            -- (a client's or an administrator's cancel, the proxy's login timeout) is
-            -- committed here and visible, yet not on the standbys a failover promotes; this
-            -- bind then commits durably too, and its commit, after the raise's in the WAL,
-            -- returns only once the standbys have both (the proxy refuses a session whose
-            -- bind's commit wait was cancelled in turn: its WARNING).
-            IF current_setting('synchronous_standby_names') <> '' THEN
-                PERFORM fence.commit_durably();
-            ELSIF current_setting('fence.commit_durably', true) IS DISTINCT FROM 'on' THEN
-                PERFORM set_config('synchronous_commit', 'off', true);
-            END IF;
-        END IF;
-    END IF;
-    IF stored > p_token THEN -- (P3)
-        RAISE EXCEPTION USING
-            ERRCODE = 'ZF001',
-            MESSAGE = format('stale fencing token: resource "%s" token %s is lower than the highest admitted token %s',
-                             p_resource, p_token, stored),
-            HINT = format('This process is no longer the leader for "%s": stop writing, acquire the lock again to get a new fencing token, and reconnect with it.',
-                          p_resource);
-    END IF;
-
-    -- Rows of an earlier backend with this pid go: it has exited (pids are unique among live
-    -- backends).
-    WITH gone AS (DELETE FROM fence.bindings AS b WHERE b.pid = me)
-    INSERT INTO fence.bindings (pid, backend_start, resource, token) VALUES (me, started, p_resource, p_token);
-    -- Rows of exited backends whose pid is not reused stay until a raise; one bind in 64 (by
-    -- pid) removes those of its resource, so that a leader that keeps its token for weeks of
-    -- reconnections does not grow the table with the pid space.
-    IF me % 64 = 0 THEN
-        PERFORM fence.forget_exited(p_resource);
-    END IF;
-    RETURN stored;
+WITH me AS MATERIALIZED (
+    SELECT a.pid, a.backend_start
+    FROM fence.keys AS k, pg_stat_get_activity(pg_backend_pid()) AS a, fence.tokens AS t
+    WHERE k.id = 1 AND $3 = fence.mac(k.key, 'bind', $1, $2, a.pid) -- (P5)
+      AND a.backend_start IS NOT NULL AND $2 > 0
+      AND current_setting('transaction_isolation') = 'read committed' -- (P1)
+      AND t.resource = $1 AND t.token = $2 -- (P1, P3)
+      AND a.pid % 64 <> 0
+      AND NOT EXISTS (SELECT FROM fence.bindings AS b WHERE b.pid = a.pid)
+      AND NOT EXISTS (SELECT FROM fence.leases AS l -- (L6)
+                      WHERE l.resource = $1
+                        AND (l.generation < $2
+                             OR (l.generation = $2 AND (l.holder IS NULL OR l.expires_at <= clock_timestamp()))))
+    FOR SHARE OF t
+), bound AS (
+    INSERT INTO fence.bindings (pid, backend_start, resource, token)
+    SELECT me.pid, me.backend_start, $1, $2 FROM me
+)
+SELECT CASE
+    WHEN NOT EXISTS (SELECT FROM me) THEN fence.bind_full($1, $2, $3)
+    WHEN current_setting('synchronous_standby_names') <> '' THEN (SELECT $2 FROM fence.commit_durably()) -- (D3)
+    WHEN current_setting('fence.commit_durably', true) IS DISTINCT FROM 'on' -- (D1)
+        THEN (SELECT $2 FROM set_config('synchronous_commit', 'off', true))
+    ELSE $2
 END
 $fn$;
 COMMENT ON FUNCTION fence.bind(text, bigint, text) IS

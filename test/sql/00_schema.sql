@@ -4,7 +4,7 @@
 \ir _psql.psql
 
 BEGIN;
-SELECT plan(96);
+SELECT plan(97);
 \ir _helpers.psql
 
 -- A role with no grant of its own: it has exactly what PUBLIC has.
@@ -17,8 +17,8 @@ SELECT has_table('fence', 'bindings', 'fence.bindings exists');
 SELECT has_table('fence', 'keys', 'fence.keys exists');
 SELECT has_table('fence', 'goose_db_version', 'goose keeps its version table in the fence schema');
 SELECT hasnt_table('public', 'goose_db_version', 'no goose version table in public');
-SELECT is((SELECT max(version_id) FROM fence.goose_db_version WHERE is_applied), 15::bigint,
-    'the schema is at version 15');
+SELECT is((SELECT max(version_id) FROM fence.goose_db_version WHERE is_applied), 16::bigint,
+    'the schema is at version 16');
 
 -- fence.tokens (version 1, unchanged).
 SELECT col_type_is('fence', 'tokens', 'resource', 'text', 'tokens.resource is text');
@@ -65,10 +65,11 @@ SELECT lives_ok($$INSERT INTO fence.keys (key) VALUES (sha256('fenceproxy pgTAP 
 SELECT throws_ok($$INSERT INTO fence.keys (id, key) VALUES (2, sha256('another key'::bytea))$$,
     '23514', NULL, 'fence.keys holds one row only (id 1)');
 
--- The functions: exactly these nineteen (the lease's four are tested in 50_lease.sql, Consul's two in 70_consul.sql); all but fence.mac (a plain expression that fence.bind's
+-- The functions: exactly these twenty (the lease's four are tested in 50_lease.sql, Consul's two in 70_consul.sql); all but fence.mac (a plain expression that fence.bind's
 -- query inlines, which needs SECURITY INVOKER and no SET) SECURITY DEFINER with a pinned
 -- search_path.
 SELECT has_function('fence', 'bind', ARRAY['text', 'bigint', 'text']);
+SELECT has_function('fence', 'bind_full', ARRAY['text', 'bigint', 'text']);
 SELECT has_function('fence', 'raise', ARRAY['text', 'bigint', 'text']);
 SELECT has_function('fence', 'reset', ARRAY['text', 'bigint']);
 SELECT has_function('fence', 'proof', ARRAY['text', 'text', 'bigint', 'integer']);
@@ -87,8 +88,8 @@ SELECT function_returns('fence', 'raise', ARRAY['text', 'bigint', 'text'], 'bigi
 SELECT function_returns('fence', 'reset', ARRAY['text', 'bigint'], 'bigint');
 SELECT function_returns('fence', 'settled', ARRAY['text', 'bigint', 'text'], 'bigint');
 SELECT function_returns('fence', 'proof', ARRAY['text', 'text', 'bigint', 'integer'], 'text');
-SELECT is((SELECT count(*) FROM pg_proc WHERE pronamespace = 'fence'::regnamespace), 27::bigint,
-    'the fence schema holds exactly twenty-seven functions');
+SELECT is((SELECT count(*) FROM pg_proc WHERE pronamespace = 'fence'::regnamespace), 28::bigint,
+    'the fence schema holds exactly twenty-eight functions');
 SELECT is(array_agg(p.oid::regprocedure::text ORDER BY p.oid::regprocedure::text), NULL,
     'every fence function is SECURITY DEFINER but fence.mac and those of protected tables (95_protect.sql)')
 FROM pg_proc AS p WHERE p.pronamespace = 'fence'::regnamespace AND NOT p.prosecdef

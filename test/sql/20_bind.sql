@@ -4,7 +4,7 @@
 \ir _psql.psql
 
 BEGIN;
-SELECT plan(62);
+SELECT plan(68);
 \ir _helpers.psql
 
 SELECT pg_temp.store_key() \g /dev/null
@@ -169,6 +169,28 @@ SELECT dblink_exec('s', 'SET synchronous_commit = off; BEGIN') \g /dev/null
 SELECT is(pg_temp.bind('s', 'tap-bind', 35), 35::bigint, 'a bind that raises in a session with synchronous_commit off');
 SELECT is(pg_temp.remote('s', 'SHOW synchronous_commit'), 'on', '... commits with its WAL flushed all the same, on synchronous standbys too (P7, D1)');
 SELECT dblink_exec('s', 'COMMIT') \g /dev/null
+
+-- fence.bind's common case (the token stored already, no binding of this pid, one bind in 64
+-- aside: its sweep) is one SQL statement that does not call fence.bind_full, the PL/pgSQL of
+-- every other case (a raise here); both bind the same.
+SELECT dblink_exec('adm', $$ALTER ROLE tap_leader SET track_functions = 'all'$$) \g /dev/null
+SELECT pg_temp.connect('s', 'tap_leader') \g /dev/null
+SELECT pg_temp.remote_pid('s') AS s_pid \gset
+SELECT dblink_exec('s', 'BEGIN') \g /dev/null
+SELECT is(pg_temp.bind('s', 'tap-bind', 35), 35::bigint, 'a bind of the stored token');
+SELECT is(pg_temp.remote('s', $$SELECT coalesce(sum(calls), 0)::text FROM pg_stat_xact_user_functions WHERE schemaname = 'fence' AND funcname = 'bind_full'$$),
+    CASE WHEN :s_pid % 64 = 0 THEN '1' ELSE '0' END, '... takes the common path: fence.bind_full is not called (but by one bind in 64)');
+SELECT dblink_exec('s', 'COMMIT') \g /dev/null
+SELECT is(pg_temp.binding_of(:s_pid), 'tap-bind 35', '... and binds the backend');
+SELECT pg_temp.connect('s', 'tap_leader') \g /dev/null
+SELECT pg_temp.remote_pid('s') AS s_pid \gset
+SELECT dblink_exec('s', 'BEGIN') \g /dev/null
+SELECT is(pg_temp.bind('s', 'tap-bind', 36), 36::bigint, 'a bind that raises');
+SELECT is(pg_temp.remote('s', $$SELECT coalesce(sum(calls), 0)::text FROM pg_stat_xact_user_functions WHERE schemaname = 'fence' AND funcname = 'bind_full'$$),
+    '1', '... goes to fence.bind_full');
+SELECT dblink_exec('s', 'COMMIT') \g /dev/null
+SELECT is(pg_temp.binding_of(:s_pid), 'tap-bind 36', '... and binds the backend');
+SELECT dblink_exec('adm', $$ALTER ROLE tap_leader RESET track_functions$$) \g /dev/null
 
 -- Exited backends' rows go (fence.forget_exited, run by raises and by one bind in 64), a live
 -- backend's row stays.

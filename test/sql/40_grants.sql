@@ -5,7 +5,7 @@
 \ir _psql.psql
 
 BEGIN;
-SELECT plan(35);
+SELECT plan(36);
 \ir _helpers.psql
 
 -- Hostile operators for the search_path test below: a stale token compares as not lower, and
@@ -53,6 +53,8 @@ SELECT throws_ok($$INSERT INTO fence.keys (id, key) VALUES (1, sha256('mine'::by
 -- Nor call the functions behind bind and raise, nor fence.reset.
 SELECT throws_ok($$SELECT fence.verify('bind', 'tap-grants', 6, 'f00d')$$, '42501',
     'permission denied for function verify', 'it may not call fence.verify');
+SELECT throws_ok($$SELECT fence.bind_full('tap-grants', 6, 'f00d')$$, '42501',
+    'permission denied for function bind_full', 'it may not call fence.bind_full');
 SELECT throws_ok($$SELECT fence.end_stale('tap-grants', 6, '1s')$$, '42501',
     'permission denied for function end_stale', 'it may not call fence.end_stale');
 SELECT throws_ok($$SELECT fence.raise_locked('tap-grants', 6)$$, '42501',
