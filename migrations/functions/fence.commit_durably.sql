@@ -13,6 +13,9 @@
 -- (fence.bind's raise, fence.raise, fence.lease_acquire), fence.reset, fence.consul_admit and
 -- fence.consul_regress. Not granted to PUBLIC.
 --
+-- LANGUAGE sql, not PL/pgSQL: with synchronous standbys every bind calls it, and a new backend
+-- pays for loading PL/pgSQL (docs/BENCHMARKS.md, Session start).
+--
 -- (D3) A commit whose wait for the synchronous standbys is cancelled returns with a WARNING,
 -- the only sign that the standbys may not have it; fenceproxy refuses a session whose bind's
 -- commit answered so. client_min_messages = error (a startup option, ALTER ROLE ... SET)
@@ -21,22 +24,18 @@
 -- in PostgreSQL's CommitTransaction).
 CREATE OR REPLACE FUNCTION fence.commit_durably()
 RETURNS void
-LANGUAGE plpgsql
+LANGUAGE sql
 VOLATILE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $fn$
-BEGIN
-    IF pg_catalog.current_setting('synchronous_commit') <> 'remote_apply' THEN
-        PERFORM pg_catalog.set_config('synchronous_commit', 'on', true);
-    END IF;
-    IF pg_catalog.current_setting('client_min_messages') NOT IN
-        ('debug5', 'debug4', 'debug3', 'debug2', 'debug1', 'log', 'notice', 'warning') THEN
-        PERFORM pg_catalog.set_config('client_min_messages', 'warning', true);
-    END IF;
-    -- Read by fence.bind, which otherwise turns synchronous_commit off for a bind that raises
-    -- nothing. A client that sets it itself only makes its binds wait for the flush.
-    PERFORM pg_catalog.set_config('fence.commit_durably', 'on', true);
-END
+SELECT pg_catalog.set_config('synchronous_commit', 'on', true)
+WHERE pg_catalog.current_setting('synchronous_commit') <> 'remote_apply';
+SELECT pg_catalog.set_config('client_min_messages', 'warning', true)
+WHERE pg_catalog.current_setting('client_min_messages') NOT IN
+    ('debug5', 'debug4', 'debug3', 'debug2', 'debug1', 'log', 'notice', 'warning');
+-- Read by fence.bind, which otherwise turns synchronous_commit off for a bind that raises
+-- nothing. A client that sets it itself only makes its binds wait for the flush.
+SELECT pg_catalog.set_config('fence.commit_durably', 'on', true);
 $fn$;
 REVOKE ALL ON FUNCTION fence.commit_durably() FROM PUBLIC;
