@@ -66,7 +66,9 @@ func TestFailoverSyncStandbyCancelledWaitAdmitsNobody(t *testing.T) {
 	}{{3, nil, "pg_cancel_backend"}, {4, []string{"client_min_messages=error"}, "pg_cancel_backend"}, {5, nil, "pg_terminate_backend"}} {
 		tok, params := c.tok, c.params
 		errc := make(chan error, 1)
-		go func() { errc <- connectErr(slow.FenceURL("app", "postgres", "billing", tok, params...)) }()
+		// The client waits as long as the proxy's login timeout: under load the bind reaches
+		// its SyncRep wait late, and a 20 s client gave up before the cancel's answer.
+		go func() { errc <- connectErrWithin(time.Minute, slow.FenceURL("app", "postgres", "billing", tok, params...)) }()
 		eventually(t, 30*time.Second, "the bind waits for the synchronous standby", func() error {
 			var n int
 			if err := admin.QueryRow(ctxT(t), "SELECT count(*) FILTER (WHERE "+c.end+"(pid)) FROM pg_stat_activity WHERE wait_event = 'SyncRep' AND usename = 'app'").Scan(&n); err != nil {
@@ -92,7 +94,7 @@ func TestFailoverSyncStandbyCancelledWaitAdmitsNobody(t *testing.T) {
 				break
 			}
 			wantCode(t, err, fence.CodeUnavailable)
-		case <-time.After(30 * time.Second):
+		case <-time.After(time.Minute):
 			t.Fatalf("the session of token %d whose bind's wait was cancelled did not end", tok)
 		}
 	}

@@ -34,8 +34,11 @@ func ctxLong(t *testing.T) context.Context {
 
 func connect(t *testing.T, url string) *pgx.Conn { return testenv.Connect(t, url) }
 
-func connectErr(url string) error {
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+func connectErr(url string) error { return connectErrWithin(20*time.Second, url) }
+
+// connectErrWithin is connectErr with the client's own timeout d.
+func connectErrWithin(d time.Duration, url string) error {
+	ctx, cancel := context.WithTimeout(context.Background(), d)
 	defer cancel()
 	conn, err := pgx.Connect(ctx, url)
 	if err == nil {
