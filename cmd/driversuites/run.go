@@ -19,6 +19,8 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/fenceproxy/fenceproxy/internal/lease"
+	"github.com/fenceproxy/fenceproxy/internal/lease/consul"
+	"github.com/fenceproxy/fenceproxy/internal/lease/pglease"
 	"github.com/fenceproxy/fenceproxy/internal/testenv"
 )
 
@@ -268,7 +270,7 @@ func (s *session) targets(ctx context.Context, st suite) (map[string]target, err
 			t.resource, t.token = bareResource, bareToken
 		case "consul":
 			res, key := st.db()+"_consul", "locks/driversuites/"+st.db()
-			l, err := s.hold(ctx, &lease.ConsulStore{Client: s.consulCl, Key: key, TTL: 30 * time.Second}, res)
+			l, err := s.hold(ctx, &consul.Store{Client: s.consulCl, Key: key, TTL: 30 * time.Second}, res)
 			if err != nil {
 				return nil, err
 			}
@@ -276,7 +278,7 @@ func (s *session) targets(ctx context.Context, st suite) (map[string]target, err
 			t.resource, t.token, t.session, t.held = res, l.Token(), l.Holder(), l
 		case "lease":
 			res := st.db() + "_lease"
-			l, err := s.hold(ctx, &lease.PostgresStore{URL: s.adminURL(t.db), TTL: time.Minute, Holder: "driversuites-" + st.db()}, res)
+			l, err := s.hold(ctx, &pglease.Store{URL: s.adminURL(t.db), TTL: time.Minute, Holder: "driversuites-" + st.db()}, res)
 			if err != nil {
 				return nil, err
 			}

@@ -11,6 +11,10 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/fenceproxy/fenceproxy/internal/lease"
+	"github.com/fenceproxy/fenceproxy/internal/lease/consul"
+	"github.com/fenceproxy/fenceproxy/internal/lease/etcd"
+	"github.com/fenceproxy/fenceproxy/internal/lease/pglease"
+	"github.com/fenceproxy/fenceproxy/internal/lease/zookeeper"
 	"github.com/fenceproxy/fenceproxy/internal/standby"
 )
 
@@ -118,13 +122,13 @@ func (c *LockCmd) store(log *zap.Logger) (lease.Store, func(), error) {
 		if err != nil {
 			return nil, nil, fmt.Errorf("lock --failover-standbys: %w", err)
 		}
-		return &lease.PostgresStore{URL: c.Database, TTL: c.TTL, Holder: c.Holder, Logger: log,
+		return &pglease.Store{URL: c.Database, TTL: c.TTL, Holder: c.Holder, Logger: log,
 			Standbys: standbys, FlushTimeout: c.StandbyFlushTimeout}, nothing, nil
 	case lease.StoreEtcd:
 		if len(c.EtcdEndpoints) == 0 {
 			return nil, nil, errors.New("lock --store etcd needs --etcd-endpoints: etcd's client URLs")
 		}
-		client, err := lease.NewEtcdClient(lease.EtcdConfig{
+		client, err := etcd.NewClient(etcd.Config{
 			Endpoints: c.EtcdEndpoints, Username: c.EtcdUser, Password: c.EtcdPassword,
 			CAFile: c.EtcdCAFile, CertFile: c.EtcdCertFile, KeyFile: c.EtcdKeyFile,
 			Logger: log.Named("etcd-client").WithOptions(zap.IncreaseLevel(zap.WarnLevel)),
@@ -132,21 +136,21 @@ func (c *LockCmd) store(log *zap.Logger) (lease.Store, func(), error) {
 		if err != nil {
 			return nil, nil, err
 		}
-		store := &lease.EtcdStore{Client: client, Prefix: c.Prefix, TTL: c.TTL, Holder: c.Holder, Logger: log}
+		store := &etcd.Store{Client: client, Prefix: c.Prefix, TTL: c.TTL, Holder: c.Holder, Logger: log}
 		return store, func() { _ = client.Close() }, nil
 	case lease.StoreZooKeeper:
 		if len(c.ZKServers) == 0 {
 			return nil, nil, errors.New("lock --store zookeeper needs --zk-servers: the ZooKeeper servers' host:port")
 		}
-		return &lease.ZooKeeperStore{Servers: c.ZKServers, Prefix: c.Prefix, TTL: c.TTL, Holder: c.Holder, Logger: log}, nothing, nil
+		return &zookeeper.Store{Servers: c.ZKServers, Prefix: c.Prefix, TTL: c.TTL, Holder: c.Holder, Logger: log}, nothing, nil
 	}
-	client, err := lease.NewClient(lease.ConsulConfig{
+	client, err := consul.NewClient(consul.Config{
 		Addr: c.ConsulAddr, Token: c.ConsulToken, CAFile: c.ConsulCAFile, Scheme: c.ConsulScheme,
 	})
 	if err != nil {
 		return nil, nil, err
 	}
-	store := &lease.ConsulStore{Client: client, Key: c.Key, TTL: c.TTL, LockDelay: c.LockDelay, TokenMode: lease.TokenMode(c.TokenMode), Logger: log}
+	store := &consul.Store{Client: client, Key: c.Key, TTL: c.TTL, LockDelay: c.LockDelay, TokenMode: lease.TokenMode(c.TokenMode), Logger: log}
 	if c.ClockOffsetFile != "" {
 		store.Clock = lease.OffsetFileClock(c.ClockOffsetFile)
 	}

@@ -19,7 +19,9 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
+	"github.com/fenceproxy/fenceproxy/internal/lease/consul"
 	"github.com/fenceproxy/fenceproxy/internal/proxy"
+	"github.com/fenceproxy/fenceproxy/internal/proxy/guards"
 )
 
 // ServeCmd runs the proxy. Its flags are proxy.Config's fields.
@@ -38,7 +40,7 @@ func (s *ServeCmd) Validate() error {
 }
 
 // checkConsul fails the start on a misconfigured or unreachable Consul, with the cause.
-func checkConsul(ctx context.Context, guard *proxy.Guard, timeout time.Duration) error {
+func checkConsul(ctx context.Context, guard *consul.Guard, timeout time.Duration) error {
 	if timeout <= 0 {
 		timeout = 15 * time.Second
 	}
@@ -58,15 +60,11 @@ func (s *ServeCmd) Run(ctx context.Context, log *zap.Logger, level zap.AtomicLev
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	metrics := proxy.NewMetrics(reg)
 	registry := fence.NewRegistry()
-	guard, err := proxy.NewGuard(ctx, s.Config, proxy.GuardOptions{Logger: log, Registry: registry, Registerer: reg})
+	guard, err := guards.Consul(ctx, s.Config, consul.GuardOptions{Logger: log, Registry: registry, Registerer: reg})
 	if err != nil {
 		return err
 	}
-	etcdGuard, err := proxy.NewEtcdGuard(ctx, s.Config, proxy.EtcdGuardOptions{Logger: log, Registry: registry})
-	if err != nil {
-		return err
-	}
-	zkGuard, err := proxy.NewZooKeeperGuard(ctx, s.Config, proxy.ZooKeeperGuardOptions{Logger: log, Registry: registry, Registerer: reg})
+	lockGuards, err := guards.Lock(ctx, s.Config, proxy.LockGuardOptions{Logger: log, Registry: registry, Registerer: reg})
 	if err != nil {
 		return err
 	}
@@ -78,11 +76,8 @@ func (s *ServeCmd) Run(ctx context.Context, log *zap.Logger, level zap.AtomicLev
 	if guard != nil {
 		admitters = append(admitters, guard)
 	}
-	if etcdGuard != nil {
-		admitters = append(admitters, etcdGuard)
-	}
-	if zkGuard != nil {
-		admitters = append(admitters, zkGuard)
+	for _, g := range lockGuards {
+		admitters = append(admitters, g)
 	}
 	switch len(admitters) {
 	case 0:
@@ -154,11 +149,8 @@ func (s *ServeCmd) Run(ctx context.Context, log *zap.Logger, level zap.AtomicLev
 	if guard != nil {
 		go guard.Run(bg) //nolint:errcheck // returns only when bg ends
 	}
-	if etcdGuard != nil {
-		go etcdGuard.Run(bg) //nolint:errcheck // returns only when bg ends
-	}
-	if zkGuard != nil {
-		go zkGuard.Run(bg) //nolint:errcheck // returns only when bg ends
+	for _, g := range lockGuards {
+		go g.Run(bg) //nolint:errcheck // returns only when bg ends
 	}
 	go func() {
 		for {

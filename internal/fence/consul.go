@@ -2,6 +2,9 @@ package fence
 
 import (
 	"context"
+	"errors"
+	"fmt"
+	"strings"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -69,4 +72,39 @@ func (k Key) ConsulBindCall(database, resource string, token int64, holder strin
 		return nil, Malformed("a Consul-validated bind needs the lock's holder session")
 	}
 	return append(bind.Args(), []byte(holder), []byte(k.Proof("consul", database, resource, token, pid))), nil
+}
+
+// ErrMoved is the cause of MovedFrom's refusal: the session reports it, not the stale
+// token this proxy's memory would name (a higher token of the other service's sequence).
+var ErrMoved = errors.New("the resource was led through another lock service")
+
+// recordedStore names the lock service of a holder fence.consul_tokens records: "etcd lease
+// ID", "zookeeper session ID", or a bare Consul session ID (fence.holder_words, W1).
+func recordedStore(holder string) string {
+	switch {
+	case strings.HasPrefix(holder, "etcd lease "):
+		return "etcd"
+	case strings.HasPrefix(holder, "zookeeper session "):
+		return "ZooKeeper"
+	}
+	return "Consul"
+}
+
+// MovedFrom refuses token of store when the database admitted a higher token r of another
+// lock service's holder: the resource was led through that service, and store's numbers are
+// not its sequence, so nothing went backwards. Refused (ZF007) without failing the resource
+// closed for good, so that the reset that moves it admits the new holder at once (a
+// newcomer's move from etcd to Consul read as a "LockIndex regression ... a snapshot restore",
+// and one to etcd stayed closed after the reset until the proxy restarted).
+func (rec ConsulRecord) MovedFrom(res string, token int64, store string) *Error {
+	was := recordedStore(rec.Holder)
+	if rec.Holder == "" || was == store {
+		return nil
+	}
+	fe := Unavailable(res, fmt.Sprintf("token %d of %s is below token %d, which was admitted through %s (holder %q): the resource was led through %s, and this proxy validates it with %s",
+		token, store, rec.Token, was, rec.Holder, was, store))
+	fe.Err = ErrMoved
+	fe.Hint = fmt.Sprintf("One resource has one lock service. To move it to %s, stop the holders of its %s lock, then run fenceproxy fence reset --resource %s --token %d --database URL (%s's current token); or give the %s lock another resource name.",
+		store, was, res, token, store, store)
+	return fe
 }

@@ -6,21 +6,21 @@ import (
 	"time"
 )
 
-// backoff is capped exponential backoff with jitter, reset on success. It is small enough
+// Backoff is capped exponential backoff with jitter, reset on success. It is small enough
 // that a library (cenkalti/backoff) would add a dependency and an API to learn for the
 // dozen lines we need, and it waits on a ctx, which is what every caller here has.
-type backoff struct {
+type Backoff struct {
 	min, max, next time.Duration
 }
 
-func newBackoff(min, max time.Duration) *backoff {
-	return &backoff{min: min, max: max, next: min}
+func NewBackoff(min, max time.Duration) *Backoff {
+	return &Backoff{min: min, max: max, next: min}
 }
 
-// wait sleeps for the next delay (between half of it and all of it, so that many
+// Wait sleeps for the next delay (between half of it and all of it, so that many
 // watchers restarted by one outage do not retry in step) and reports false if ctx ended
 // first.
-func (b *backoff) wait(ctx context.Context) bool {
+func (b *Backoff) Wait(ctx context.Context) bool {
 	d := b.next
 	if d > 1 {
 		d = d/2 + rand.N(d/2+1)
@@ -36,4 +36,15 @@ func (b *backoff) wait(ctx context.Context) bool {
 	}
 }
 
-func (b *backoff) reset() { b.next = b.min }
+// Reset starts the delays again from the shortest (after a success).
+func (b *Backoff) Reset() { b.next = b.min }
+
+// Sleep waits for d, or until ctx ends.
+func Sleep(ctx context.Context, d time.Duration) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+	case <-t.C:
+	}
+}

@@ -1,6 +1,13 @@
 package lease
 
-import "context"
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"os"
+	"time"
+)
 
 // Store names, as logs show them (the `store` key) and FENCE_STORE tells a child.
 const (
@@ -46,4 +53,21 @@ type Lease interface {
 type Store interface {
 	Name() string
 	Campaign(ctx context.Context, resource string) (Lease, error)
+}
+
+// DefaultTTL is the lease TTL of a store when none is given: Consul's minimum session TTL.
+const DefaultTTL = 10 * time.Second
+
+// DefaultHolder is a store's holder name when none is given: host:pid:random, drawn anew
+// for each campaign.
+func DefaultHolder() (string, error) {
+	host, err := os.Hostname()
+	if err != nil || host == "" {
+		host = "unknown-host"
+	}
+	var b [4]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		return "", fmt.Errorf("lease: holder name: %w", err)
+	}
+	return fmt.Sprintf("%s:%d:%s", host, os.Getpid(), hex.EncodeToString(b[:])), nil
 }

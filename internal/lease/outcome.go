@@ -2,28 +2,29 @@ package lease
 
 import "sync"
 
-// outcome is how a held lease ends: Done closes once, when the lease is lost or released,
+// Outcome is how a held lease ends: Done closes once, when the lease is lost or released,
 // and Err says which. Leases embed it for their Done and Err methods.
-type outcome struct {
+type Outcome struct {
 	done chan struct{}
 	mu   sync.Mutex
 	err  error
 }
 
-func newOutcome() outcome { return outcome{done: make(chan struct{})} }
+// NewOutcome is the outcome of a lease just granted.
+func NewOutcome() Outcome { return Outcome{done: make(chan struct{})} }
 
 // Done is closed when the lease is lost or released; Err says which.
-func (o *outcome) Done() <-chan struct{} { return o.done }
+func (o *Outcome) Done() <-chan struct{} { return o.done }
 
 // Err is nil while the lease is held; after Done it wraps ErrLockLost or is ErrReleased.
-func (o *outcome) Err() error {
+func (o *Outcome) Err() error {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	return o.err
 }
 
-// finish ends the lease with err, unless it ended already.
-func (o *outcome) finish(err error) {
+// Finish ends the lease with err, unless it ended already.
+func (o *Outcome) Finish(err error) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	if o.err == nil {

@@ -102,7 +102,7 @@ func RunLocked(ctx context.Context, cfg RunConfig) error {
 		return err
 	}
 	log := cfg.Logger.With(zap.String("resource", cfg.Resource), zap.String("store", cfg.Store.Name()))
-	retry := newBackoff(500*time.Millisecond, 10*time.Second)
+	retry := NewBackoff(500*time.Millisecond, 10*time.Second)
 	for {
 		if ctx.Err() != nil {
 			return fmt.Errorf("lease: stopped before acquiring %q: %w", cfg.Resource, ctx.Err())
@@ -114,11 +114,11 @@ func RunLocked(ctx context.Context, cfg RunConfig) error {
 		if err != nil {
 			if ctx.Err() == nil {
 				log.Warn("campaign failed", zap.Error(err))
-				retry.wait(ctx)
+				retry.Wait(ctx)
 			}
 			continue
 		}
-		retry.reset()
+		retry.Reset()
 		log.Info("acquired lock", zap.Int64("token", l.Token()), zap.String("session", l.Holder()), zap.String("key", l.Key()))
 
 		lost, err := supervise(ctx, &cfg, l, log)
@@ -358,14 +358,6 @@ func release(l Lease, log *zap.Logger) {
 		log.Warn("release lock", zap.Error(err))
 	} else if held {
 		log.Info("released lock")
-	}
-}
-
-func closeSession(s *Session, log *zap.Logger) {
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	if err := s.Close(ctx); err != nil {
-		log.Warn("close consul session", zap.Error(err))
 	}
 }
 

@@ -20,6 +20,8 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/fenceproxy/fenceproxy/internal/lease"
+	"github.com/fenceproxy/fenceproxy/internal/lease/consul"
+	"github.com/fenceproxy/fenceproxy/internal/lease/leasetest"
 	"github.com/fenceproxy/fenceproxy/internal/testenv"
 )
 
@@ -39,7 +41,7 @@ func runLocked(t *testing.T, ctx context.Context, cfg lease.RunConfig) <-chan er
 func waitFile(t *testing.T, path string, ok func(string) bool) string {
 	t.Helper()
 	var content string
-	eventually(t, waitTimeout, filepath.Base(path)+" as expected", func() error {
+	leasetest.Eventually(t, leasetest.WaitTimeout, filepath.Base(path)+" as expected", func() error {
 		b, err := os.ReadFile(path)
 		if content = string(b); err == nil && !ok(content) {
 			err = fmt.Errorf("content %q", content)
@@ -78,7 +80,7 @@ func TestRunLocked(t *testing.T) {
 	client := c.Client(t)
 	base := func(resource, dir string, script string) lease.RunConfig {
 		return lease.RunConfig{
-			Store:    &lease.ConsulStore{Client: client},
+			Store:    &consul.Store{Client: client},
 			Resource: resource,
 			Command:  []string{"/bin/sh", "-c", script},
 			Env:      []string{"PATH=" + os.Getenv("PATH"), "DIR=" + dir, "FENCE_TOKEN=stale-from-parent"},
@@ -91,7 +93,7 @@ func TestRunLocked(t *testing.T) {
 		dir := t.TempDir()
 		cfg := base("billing", dir, `env > "$DIR/env"`)
 		cfg.DatabaseURL = "postgres://app@127.0.0.1:7432/app?sslmode=disable&options=-c%20search_path%3Dapp%20-c%20fence.token%3D1"
-		if err := result(t, runLocked(t, testCtx(t), cfg), waitTimeout); err != nil {
+		if err := result(t, runLocked(t, leasetest.Ctx(t), cfg), leasetest.WaitTimeout); err != nil {
 			t.Fatalf("RunLocked: %v", err)
 		}
 		env := map[string]string{}
@@ -101,7 +103,7 @@ func TestRunLocked(t *testing.T) {
 				env[k] = v
 			}
 		}
-		p := readKey(t, client, "locks/billing")
+		p := leasetest.ReadKey(t, client, "locks/billing")
 		if p == nil || p.Session != "" {
 			t.Fatalf("lock after the child exited: %+v, want released", p)
 		}
@@ -131,7 +133,7 @@ func TestRunLocked(t *testing.T) {
 			code   int
 		}{{"exit 3", 3}, {"kill -KILL $$", 128 + 9}, {"exit 0", 0}} {
 			cfg := base("status-"+strconv.Itoa(tt.code), t.TempDir(), tt.script)
-			err := result(t, runLocked(t, testCtx(t), cfg), waitTimeout)
+			err := result(t, runLocked(t, leasetest.Ctx(t), cfg), leasetest.WaitTimeout)
 			var ec interface{ ExitCode() int }
 			switch {
 			case tt.code == 0 && err != nil:
@@ -151,14 +153,14 @@ func TestRunLocked(t *testing.T) {
 			trap 'echo term > "$DIR/term"; exit 0' TERM
 			wait`)
 		cfg.OnLost = lease.OnLostExit
-		res := runLocked(t, testCtx(t), cfg)
+		res := runLocked(t, leasetest.Ctx(t), cfg)
 		session := strings.TrimSpace(waitFile(t, filepath.Join(dir, "session"), nonEmpty))
 		grandchild, _ := strconv.Atoi(strings.TrimSpace(waitFile(t, filepath.Join(dir, "grandchild"), nonEmpty)))
 		start := time.Now()
 		if _, err := client.Session().Destroy(session, nil); err != nil {
 			t.Fatal(err)
 		}
-		err := result(t, res, waitTimeout)
+		err := result(t, res, leasetest.WaitTimeout)
 		t.Logf("lost leadership -> child stopped and RunLocked returned in %v: %v", time.Since(start).Round(time.Millisecond), err)
 		if !errors.Is(err, lease.ErrLockLost) {
 			t.Errorf("RunLocked = %v, want ErrLockLost", err)
@@ -181,7 +183,7 @@ func TestRunLocked(t *testing.T) {
 		cfg := base("fails-as-lost", dir, `echo "$FENCE_SESSION" > "$DIR/session"
 			while [ ! -f "$DIR/go" ]; do sleep 0.01; done; touch "$DIR/exiting"; exit 3`)
 		cfg.OnLost = lease.OnLostExit
-		res := runLocked(t, testCtx(t), cfg)
+		res := runLocked(t, leasetest.Ctx(t), cfg)
 		session := strings.TrimSpace(waitFile(t, filepath.Join(dir, "session"), nonEmpty))
 		if err := os.WriteFile(filepath.Join(dir, "go"), nil, 0o644); err != nil {
 			t.Fatal(err)
@@ -190,7 +192,7 @@ func TestRunLocked(t *testing.T) {
 		if _, err := client.Session().Destroy(session, nil); err != nil {
 			t.Fatal(err)
 		}
-		if err := result(t, res, waitTimeout); !errors.Is(err, lease.ErrLockLost) {
+		if err := result(t, res, leasetest.WaitTimeout); !errors.Is(err, lease.ErrLockLost) {
 			t.Errorf("RunLocked = %v, want ErrLockLost (--on-lost exit)", err)
 		}
 	})
@@ -202,13 +204,13 @@ func TestRunLocked(t *testing.T) {
 			while :; do sleep 0.05; done`)
 		cfg.OnLost = lease.OnLostExit
 		cfg.Grace = 500 * time.Millisecond
-		res := runLocked(t, testCtx(t), cfg)
+		res := runLocked(t, leasetest.Ctx(t), cfg)
 		session := strings.TrimSpace(waitFile(t, filepath.Join(dir, "session"), nonEmpty))
 		start := time.Now()
 		if _, err := client.Session().Destroy(session, nil); err != nil {
 			t.Fatal(err)
 		}
-		err := result(t, res, waitTimeout)
+		err := result(t, res, leasetest.WaitTimeout)
 		took := time.Since(start)
 		if !errors.Is(err, lease.ErrLockLost) || took < cfg.Grace {
 			t.Errorf("RunLocked = %v after %v, want ErrLockLost after the %v grace", err, took, cfg.Grace)
@@ -235,12 +237,12 @@ func TestRunLocked(t *testing.T) {
 			t.Errorf("tokens %q, want consecutive", tokens)
 		}
 		cancel()
-		err := result(t, res, waitTimeout)
+		err := result(t, res, leasetest.WaitTimeout)
 		var ec interface{ ExitCode() int }
 		if !errors.As(err, &ec) || ec.ExitCode() != 128+int(syscall.SIGTERM) {
 			t.Errorf("RunLocked after cancel = %v, want the child's SIGTERM status", err)
 		}
-		if p := readKey(t, client, "locks/retry"); p.Session != "" {
+		if p := leasetest.ReadKey(t, client, "locks/retry"); p.Session != "" {
 			t.Errorf("lock not released: %+v", p)
 		}
 	})
@@ -254,7 +256,7 @@ func TestRunLocked(t *testing.T) {
 			echo started > "$DIR/started"
 			sleep 30 & wait`)
 		var releasedBeforeExit, sawRelease atomic.Bool
-		_, rec := watch(t, client, lease.WatcherConfig{Keys: []string{"locks/graceful"}, OnChange: func(s lease.State) {
+		_, rec := leasetest.Watch(t, client, consul.WatcherConfig{Keys: []string{"locks/graceful"}, OnChange: func(s consul.State) {
 			if s.Known && s.Exists && !s.Held {
 				sawRelease.Store(true)
 				if _, err := os.Stat(marker); err != nil {
@@ -266,14 +268,14 @@ func TestRunLocked(t *testing.T) {
 		defer cancel()
 		res := runLocked(t, ctx, cfg)
 		waitFile(t, filepath.Join(dir, "started"), nonEmpty)
-		rec.waitFor(t, "held", func(s lease.State) bool { return s.Held })
+		rec.WaitFor(t, "held", func(s consul.State) bool { return s.Held })
 		start := time.Now()
 		cancel() // what SIGTERM to `fenceproxy lock` does
-		if err := result(t, res, waitTimeout); err != nil {
+		if err := result(t, res, leasetest.WaitTimeout); err != nil {
 			t.Errorf("RunLocked = %v, want nil (the child exited 0)", err)
 		}
 		took := time.Since(start)
-		rec.waitFor(t, "released", func(s lease.State) bool { return s.Known && !s.Held })
+		rec.WaitFor(t, "released", func(s consul.State) bool { return s.Known && !s.Held })
 		if !sawRelease.Load() || releasedBeforeExit.Load() {
 			t.Errorf("lock released before the child exited")
 		}
@@ -286,7 +288,7 @@ func TestRunLocked(t *testing.T) {
 		t.Parallel()
 		dir := t.TempDir()
 		cfg := base("stragglers", dir, `sleep 30 & echo $! > "$DIR/grandchild"; exit 0`)
-		if err := result(t, runLocked(t, testCtx(t), cfg), waitTimeout); err != nil {
+		if err := result(t, runLocked(t, leasetest.Ctx(t), cfg), leasetest.WaitTimeout); err != nil {
 			t.Errorf("RunLocked = %v, want nil", err)
 		}
 		grandchild, _ := strconv.Atoi(strings.TrimSpace(waitFile(t, filepath.Join(dir, "grandchild"), nonEmpty)))
@@ -294,7 +296,7 @@ func TestRunLocked(t *testing.T) {
 			t.Errorf("grandchild %d still running after RunLocked returned", grandchild)
 			_ = syscall.Kill(grandchild, syscall.SIGKILL)
 		}
-		if p := readKey(t, client, "locks/stragglers"); p.Session != "" {
+		if p := leasetest.ReadKey(t, client, "locks/stragglers"); p.Session != "" {
 			t.Errorf("lock not released: %+v", p)
 		}
 	})
@@ -310,10 +312,10 @@ func TestRunLocked(t *testing.T) {
 		// process that a signal to the group would then reach.
 		dir := t.TempDir()
 		cfg := base("pinned", dir, `(trap '' TERM; exec sleep 30) & echo $! > "$DIR/grandchild"; echo $$ > "$DIR/leader"; exit 0`)
-		res := runLocked(t, testCtx(t), cfg)
+		res := runLocked(t, leasetest.Ctx(t), cfg)
 		leader, _ := strconv.Atoi(strings.TrimSpace(waitFile(t, filepath.Join(dir, "leader"), nonEmpty)))
 		grandchild, _ := strconv.Atoi(strings.TrimSpace(waitFile(t, filepath.Join(dir, "grandchild"), nonEmpty)))
-		eventually(t, waitTimeout, fmt.Sprintf("the child %d exits", leader), func() error {
+		leasetest.Eventually(t, leasetest.WaitTimeout, fmt.Sprintf("the child %d exits", leader), func() error {
 			b, err := os.ReadFile("/proc/" + strconv.Itoa(leader) + "/stat")
 			if err != nil {
 				t.Fatalf("the exited child %d was reaped while its group still ran (grandchild alive: %v)", leader, alive(grandchild))
@@ -326,7 +328,7 @@ func TestRunLocked(t *testing.T) {
 		if !alive(grandchild) {
 			t.Fatalf("the grandchild %d ended before the grace period; the test needs it to ignore SIGTERM", grandchild)
 		}
-		if err := result(t, res, waitTimeout); err != nil {
+		if err := result(t, res, leasetest.WaitTimeout); err != nil {
 			t.Errorf("RunLocked = %v, want nil", err)
 		}
 		if alive(grandchild) {
@@ -342,13 +344,13 @@ func TestRunLocked(t *testing.T) {
 		t.Parallel()
 		for _, cfg := range []lease.RunConfig{
 			{Resource: "x", Command: []string{"true"}},
-			{Store: &lease.ConsulStore{Client: client}, Command: []string{"true"}},
-			{Store: &lease.ConsulStore{Client: client}, Resource: "x"},
-			{Store: &lease.ConsulStore{Client: client}, Resource: "x", Command: []string{"true"}, OnLost: "later"},
-			{Store: &lease.ConsulStore{Client: client}, Resource: "x", Command: []string{"true"}, DatabaseURL: "host=db dbname=app"},
-			{Store: &lease.ConsulStore{Client: client}, Resource: "x", Command: []string{"no-such-command-here"}},
+			{Store: &consul.Store{Client: client}, Command: []string{"true"}},
+			{Store: &consul.Store{Client: client}, Resource: "x"},
+			{Store: &consul.Store{Client: client}, Resource: "x", Command: []string{"true"}, OnLost: "later"},
+			{Store: &consul.Store{Client: client}, Resource: "x", Command: []string{"true"}, DatabaseURL: "host=db dbname=app"},
+			{Store: &consul.Store{Client: client}, Resource: "x", Command: []string{"no-such-command-here"}},
 		} {
-			if err := lease.RunLocked(testCtx(t), cfg); err == nil {
+			if err := lease.RunLocked(leasetest.Ctx(t), cfg); err == nil {
 				t.Errorf("RunLocked(%+v) = nil", cfg)
 			}
 		}
@@ -451,13 +453,13 @@ func TestFencedURLReachesPostgres(t *testing.T) {
 		t.Errorf("libpq: server saw %q, want %q", got, want)
 	}
 
-	conn, err := pgx.Connect(testCtx(t), u)
+	conn, err := pgx.Connect(leasetest.Ctx(t), u)
 	if err != nil {
 		t.Fatalf("pgx with %s: %v", u, err)
 	}
 	defer conn.Close(context.Background())
 	var got string
-	if err := conn.QueryRow(testCtx(t), query).Scan(&got); err != nil {
+	if err := conn.QueryRow(leasetest.Ctx(t), query).Scan(&got); err != nil {
 		t.Fatal(err)
 	}
 	if got != want {

@@ -3,6 +3,7 @@ package lease
 import (
 	"errors"
 	"fmt"
+	"math"
 )
 
 // TokenMode says which number of a Consul lock key is its fencing token.
@@ -89,16 +90,16 @@ func DecodeToken(token int64) (createIndex, lockIndex uint64) {
 	return uint64(token) >> LockIndexBits, uint64(token) & maxLockIndex
 }
 
-// tokenOf is the token of (createIndex, lockIndex) in mode m. A key that does not exist
+// TokenOf is the token of (createIndex, lockIndex) in mode m. A key that does not exist
 // has token 0 in both modes.
-func (m TokenMode) tokenOf(exists bool, createIndex, lockIndex uint64) (int64, error) {
+func (m TokenMode) TokenOf(exists bool, createIndex, lockIndex uint64) (int64, error) {
 	if !exists {
 		return 0, nil
 	}
 	if m == TokenCreateLock {
 		return EncodeToken(createIndex, lockIndex)
 	}
-	return clampToken(lockIndex), nil
+	return ClampToken(lockIndex), nil
 }
 
 // Describe names what a token of mode m is made of, for messages.
@@ -107,4 +108,13 @@ func (m TokenMode) Describe() string {
 		return "token (CreateIndex×2^24+LockIndex)"
 	}
 	return "LockIndex"
+}
+
+// ClampToken converts a LockIndex to a token. LockIndex counts acquisitions, so it never
+// comes near 2^63; the clamp only keeps a corrupt value from turning negative.
+func ClampToken(i uint64) int64 {
+	if i > math.MaxInt64 {
+		return math.MaxInt64
+	}
+	return int64(i)
 }

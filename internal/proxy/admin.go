@@ -103,9 +103,9 @@ func (s *Server) NotReady(ctx context.Context) []string {
 			why = append(why, "failover standbys cannot confirm a fenced session's start (each fails with ZF007): "+strings.Join(un, ", "))
 		}
 	}
-	if g, ok := s.admit.(*Guard); ok {
-		for _, r := range g.unsynced() {
-			why = append(why, fmt.Sprintf("resource %s: Consul lock state not synchronised", r))
+	for _, g := range guards(s.admit) {
+		for _, r := range g.Unsynced() {
+			why = append(why, fmt.Sprintf("resource %s: %s lock state not synchronised", r, serviceNames[g.Store()]))
 		}
 	}
 	for _, name := range s.conf().names {
@@ -260,28 +260,4 @@ func writeJSON(w http.ResponseWriter, code int, v any) {
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
 	enc.Encode(v) //nolint:errcheck // the client went away
-}
-
-// unsynced returns the resources whose Consul lock state is not known now.
-func (g *Guard) unsynced() []string {
-	var out []string
-	for res, key := range g.keys {
-		if st, ok := g.watcher.State(key); !ok || !st.Known {
-			out = append(out, res)
-		}
-	}
-	slices.Sort(out)
-	return out
-}
-
-// holder returns the Consul session holding resource's lock when its LockIndex is token.
-func (g *Guard) holder(resource string, token int64) string {
-	key, ok := g.keys[resource]
-	if !ok {
-		return ""
-	}
-	if st, ok := g.watcher.State(key); ok && st.Known && st.Held && int64(st.LockIndex) == token {
-		return st.Session
-	}
-	return ""
 }

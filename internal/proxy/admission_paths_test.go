@@ -15,7 +15,12 @@ import (
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
 	"github.com/fenceproxy/fenceproxy/internal/lease"
+	"github.com/fenceproxy/fenceproxy/internal/lease/consul"
+	"github.com/fenceproxy/fenceproxy/internal/lease/etcd"
+	"github.com/fenceproxy/fenceproxy/internal/lease/pglease"
+	"github.com/fenceproxy/fenceproxy/internal/lease/zookeeper"
 	"github.com/fenceproxy/fenceproxy/internal/proxy"
+	"github.com/fenceproxy/fenceproxy/internal/proxy/guards"
 	"github.com/fenceproxy/fenceproxy/internal/testenv"
 )
 
@@ -142,7 +147,7 @@ func launchServers() (*servers, error) {
 	return s, nil
 }
 
-// guard is a lock service's Admitter (Guard, EtcdGuard, ZooKeeperGuard).
+// guard is a lock service's Guard (consul.Guard, or a LockGuard for etcd or ZooKeeper).
 type guard interface {
 	proxy.Admitter
 	Run(ctx context.Context) error
@@ -194,10 +199,10 @@ func consulPath(mode lease.TokenMode) admissionPath {
 			cfg.ConsulTokenMode = string(mode)
 		},
 		guard: func(ctx context.Context, cfg proxy.Config, reg *fence.Registry) (guard, error) {
-			return proxy.NewGuard(ctx, cfg, proxy.GuardOptions{Registry: reg, Logger: zapNop()})
+			return guards.Consul(ctx, cfg, consul.GuardOptions{Registry: reg, Logger: zapNop()})
 		},
 		store: func(s *servers, _ string) lease.Store {
-			return &lease.ConsulStore{Client: s.cc, TokenMode: mode, TTL: time.Minute}
+			return &consul.Store{Client: s.cc, TokenMode: mode, TTL: time.Minute}
 		},
 	}
 }
@@ -208,7 +213,7 @@ var admissionPaths = []admissionPath{
 		name:      "pg-lease",
 		configure: fencedResources,
 		store: func(s *servers, holder string) lease.Store {
-			return &lease.PostgresStore{URL: s.pg.AdminURL(), TTL: time.Minute, Holder: holder}
+			return &pglease.Store{URL: s.pg.AdminURL(), TTL: time.Minute, Holder: holder}
 		},
 	},
 	consulPath(lease.TokenLockIndex),
@@ -221,10 +226,10 @@ var admissionPaths = []admissionPath{
 			cfg.EtcdResources = keyed("locks/", resources)
 		},
 		guard: func(ctx context.Context, cfg proxy.Config, reg *fence.Registry) (guard, error) {
-			return proxy.NewEtcdGuard(ctx, cfg, proxy.EtcdGuardOptions{Registry: reg, Logger: zapNop()})
+			return lockGuard(ctx, cfg, proxy.LockGuardOptions{Registry: reg, Logger: zapNop()})
 		},
 		store: func(s *servers, holder string) lease.Store {
-			return &lease.EtcdStore{Client: s.ec, TTL: 10 * time.Second, Holder: holder}
+			return &etcd.Store{Client: s.ec, TTL: 10 * time.Second, Holder: holder}
 		},
 		session: true,
 	},
@@ -236,10 +241,10 @@ var admissionPaths = []admissionPath{
 			cfg.ZKResources = resources // /locks/<resource>
 		},
 		guard: func(ctx context.Context, cfg proxy.Config, reg *fence.Registry) (guard, error) {
-			return proxy.NewZooKeeperGuard(ctx, cfg, proxy.ZooKeeperGuardOptions{Registry: reg, Logger: zapNop()})
+			return lockGuard(ctx, cfg, proxy.LockGuardOptions{Registry: reg, Logger: zapNop()})
 		},
 		store: func(s *servers, holder string) lease.Store {
-			return &lease.ZooKeeperStore{Servers: []string{s.zk.Addr}, TTL: 10 * time.Second, Holder: holder}
+			return &zookeeper.Store{Servers: []string{s.zk.Addr}, TTL: 10 * time.Second, Holder: holder}
 		},
 		session: true,
 	},

@@ -21,6 +21,12 @@ const (
 	UnfencedAllow    = "allow"
 )
 
+// Consul-down policies (--consul-down).
+const (
+	ConsulDownRefuse        = "refuse"
+	ConsulDownTrustDatabase = "trust-database"
+)
+
 // DefaultListen is the client-facing address when none is configured. Its port, 7432, is one
 // that no common PostgreSQL tool takes by default, so that fenceproxy can run next to them on
 // one host: PgBouncer, PgDog, pgcat and Odyssey listen on 6432, Supavisor on 6543, and
@@ -162,10 +168,12 @@ type Config struct {
 	ConsulTokenMode string `help:"Which number of the Consul lock key is the token: lockindex (its LockIndex; the key must never be deleted) or create-lock (CreateIndex*2^24+LockIndex: keeps growing when the key is deleted and re-created, as consul lock and api.Lock's Destroy do)." name:"consul-token-mode" default:"lockindex" enum:"lockindex,create-lock"`
 	// ConsulRequireSession refuses Consul-validated sessions without fence.session (ZF003).
 	ConsulRequireSession bool `help:"Refuse (ZF003) sessions of Consul-validated resources without fence.session: without the holder's session the proxy cannot tell two holders of one token apart when Consul issued it twice (lost its data) while no proxy watched." name:"consul-require-session"`
-	// etcd configures token validation against etcd elections (EtcdGuard).
+	// etcd configures token validation against etcd elections (a LockGuard over
+	// internal/lease/etcd).
 	EtcdEndpoints []string `help:"etcd client URLs (comma-separated), for --etcd-resource." name:"etcd-endpoints" sep:","`
 	EtcdResources []string `help:"Resource validated against an etcd election, NAME=PREFIX (repeatable; NAME must also be given as --resource)." name:"etcd-resource" sep:","`
-	// ZooKeeper configures token validation against ZooKeeper locks (ZooKeeperGuard).
+	// ZooKeeper configures token validation against ZooKeeper locks (a LockGuard over
+	// internal/lease/zookeeper).
 	ZKServers   []string `help:"ZooKeeper servers, host:port (comma-separated), for --zk-resource." name:"zk-servers" sep:","`
 	ZKResources []string `help:"Resource validated against a ZooKeeper lock, NAME or NAME=PATH, PATH its lock folder (default /locks/NAME; repeatable; NAME must also be given as --resource)." name:"zk-resource" sep:","`
 }
@@ -386,6 +394,17 @@ func (s *settings) declareResources() error {
 		}
 	}
 	return nil
+}
+
+// Validated is c validated and defaulted (the defaults of its zero fields filled in, the key
+// file read), with its resources: what a guard built outside the proxy reads
+// (internal/proxy/guards).
+func (c Config) Validated() (Config, []Resource, error) {
+	s, err := c.validate()
+	if err != nil {
+		return Config{}, nil, err
+	}
+	return s.Config, s.resources, nil
 }
 
 // authority is resource's declared authority ("" when the proxy does not serve it).

@@ -11,7 +11,9 @@ import (
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
 	"github.com/fenceproxy/fenceproxy/internal/lease"
+	"github.com/fenceproxy/fenceproxy/internal/lease/consul"
 	"github.com/fenceproxy/fenceproxy/internal/proxy"
+	"github.com/fenceproxy/fenceproxy/internal/proxy/guards"
 	"github.com/fenceproxy/fenceproxy/internal/testenv"
 )
 
@@ -51,7 +53,7 @@ func TestConsulACLRefusalFailsFast(t *testing.T) {
 			ConsulAddr: c.Addr, ConsulToken: token, Key: testenv.Key}
 		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 		defer cancel()
-		g, err := proxy.NewGuard(ctx, cfg, proxy.GuardOptions{Registry: fence.NewRegistry(), Logger: zapNop()})
+		g, err := guards.Consul(ctx, cfg, consul.GuardOptions{Registry: fence.NewRegistry(), Logger: zapNop()})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -76,7 +78,7 @@ func TestConsulACLRefusalFailsFast(t *testing.T) {
 			t.Fatal(err)
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-		l, err := (&lease.ConsulStore{Client: client, Key: "locks/billing", Logger: zapNop()}).Campaign(ctx, "billing")
+		l, err := (&consul.Store{Client: client, Key: "locks/billing", Logger: zapNop()}).Campaign(ctx, "billing")
 		if l != nil {
 			l.Release(context.Background()) //nolint:errcheck
 		}

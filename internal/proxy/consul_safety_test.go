@@ -15,7 +15,9 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
+	"github.com/fenceproxy/fenceproxy/internal/lease/consul"
 	"github.com/fenceproxy/fenceproxy/internal/proxy"
+	"github.com/fenceproxy/fenceproxy/internal/proxy/guards"
 	"github.com/fenceproxy/fenceproxy/internal/testenv"
 )
 
@@ -42,7 +44,7 @@ func startGuardedProxy(t *testing.T, s *consulSetup, mod ...func(*proxy.Config))
 	core, logs := observer.New(zap.InfoLevel)
 	reg := fence.NewRegistry()
 	ctx, cancel := context.WithCancel(context.Background())
-	g, err := proxy.NewGuard(ctx, cfg, proxy.GuardOptions{Registry: reg, Logger: zap.New(core)})
+	g, err := guards.Consul(ctx, cfg, consul.GuardOptions{Registry: reg, Logger: zap.New(core)})
 	if err != nil {
 		cancel()
 		t.Fatal(err)
@@ -338,7 +340,7 @@ func TestConsulForgedResetNotifyChangesNothing(t *testing.T) {
 	// Both Guards' listeners (the setup's and p's) are past their LISTEN.
 	eventually(t, 15*time.Second, "listeners ready", func() error {
 		if n := count(t, s.admin, `SELECT count(*)::int FROM pg_stat_activity
-			WHERE application_name = $1 AND query LIKE '%fence.history%'`, proxy.GuardApplicationName); n < 2 {
+			WHERE application_name = $1 AND query LIKE '%fence.history%'`, consul.GuardApplicationName); n < 2 {
 			return fmt.Errorf("%d listening", n)
 		}
 		return nil

@@ -17,7 +17,9 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
+	"github.com/fenceproxy/fenceproxy/internal/lease/consul"
 	"github.com/fenceproxy/fenceproxy/internal/proxy"
+	"github.com/fenceproxy/fenceproxy/internal/proxy/guards"
 	"github.com/fenceproxy/fenceproxy/internal/testenv"
 	"github.com/fenceproxy/fenceproxy/internal/wire"
 )
@@ -52,7 +54,7 @@ type consulSetup struct {
 	consul *testenv.Consul
 	client *api.Client
 	proxy  *testenv.Proxy
-	guard  *proxy.Guard
+	guard  *consul.Guard
 	cancel context.CancelFunc
 }
 
@@ -78,12 +80,12 @@ func startConsulProxy(t *testing.T, mod ...func(*proxy.Config)) *consulSetup {
 
 // startConsulGuarded starts a proxy in front of pg with a Consul Guard for cfg and waits
 // until it is ready; cancel stops the guard (also at the test's end).
-func startConsulGuarded(t *testing.T, pg *testenv.Postgres, cfg proxy.Config) (*testenv.Proxy, *proxy.Guard, context.CancelFunc) {
+func startConsulGuarded(t *testing.T, pg *testenv.Postgres, cfg proxy.Config) (*testenv.Proxy, *consul.Guard, context.CancelFunc) {
 	t.Helper()
 	reg := fence.NewRegistry()
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
-	g, err := proxy.NewGuard(ctx, cfg, proxy.GuardOptions{Registry: reg, Logger: zapNop()})
+	g, err := guards.Consul(ctx, cfg, consul.GuardOptions{Registry: reg, Logger: zapNop()})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -5,10 +5,12 @@
 // client, looking inside none of them to keep the guarantee: PostgreSQL ends
 // a stale backend at the raise (migrations/00004_bind_sessions.sql).
 //
-// Admitters check a session's token against the lock service that issued it
-// before the bind: Guard against Consul, EtcdGuard against an etcd election,
-// ZooKeeperGuard against a ZooKeeper lock; each also raises a new holder's
-// token proactively.
+// Guards check a session's token against the lock service that issued it
+// before the bind, and raise each new holder's token proactively: LockGuard,
+// over a lease.Authority (an etcd election, a ZooKeeper lock), and
+// internal/lease/consul's Guard against Consul. Each service's client lives in
+// its package under internal/lease and is built in internal/proxy/guards: the
+// proxy imports none.
 //
 // It must not parse SQL, predict what the server will do, or keep a received
 // message past the next read.

@@ -15,6 +15,7 @@ import (
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
 	"github.com/fenceproxy/fenceproxy/internal/lease"
+	"github.com/fenceproxy/fenceproxy/internal/lease/pglease"
 	"github.com/fenceproxy/fenceproxy/internal/proxy"
 	"github.com/fenceproxy/fenceproxy/internal/standby"
 	"github.com/fenceproxy/fenceproxy/internal/testenv"
@@ -162,7 +163,7 @@ func runFailoverCase(t *testing.T, s *servers, c failoverCase) {
 	if c.lease() && c.setup == asyncWait {
 		store := path.store
 		path.store = func(s *servers, holder string) lease.Store {
-			st := store(s, holder).(*lease.PostgresStore)
+			st := store(s, holder).(*pglease.Store)
 			st.Standbys = standby.Set{Names: []string{"s1"}}
 			return st
 		}

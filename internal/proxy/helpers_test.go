@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -15,6 +16,7 @@ import (
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
 	"github.com/fenceproxy/fenceproxy/internal/proxy"
+	"github.com/fenceproxy/fenceproxy/internal/proxy/guards"
 	"github.com/fenceproxy/fenceproxy/internal/testenv"
 )
 
@@ -223,4 +225,17 @@ func storedToken(t *testing.T, admin querier, res string) int64 {
 		t.Fatal(err)
 	}
 	return tok
+}
+
+// lockGuard is cfg's one LockGuard (etcd's or ZooKeeper's), built as fenceproxy serve builds
+// it.
+func lockGuard(ctx context.Context, cfg proxy.Config, opts proxy.LockGuardOptions) (*proxy.LockGuard, error) {
+	gs, err := guards.Lock(ctx, cfg, opts)
+	if err != nil {
+		return nil, err
+	}
+	if len(gs) != 1 {
+		return nil, fmt.Errorf("%d lock guards, want 1", len(gs))
+	}
+	return gs[0], nil
 }

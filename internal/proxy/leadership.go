@@ -186,9 +186,9 @@ func (l *leadership) leaders() []fence.Leader {
 	for i := range out {
 		if g := guardOf(l.srv.admit, out[i].Resource); g != nil {
 			if out[i].Holder == "" {
-				out[i].Holder = g.holderOf(out[i].Resource, out[i].Token)
+				out[i].Holder = g.HolderOf(out[i].Resource, out[i].Token)
 			}
-			out[i].HolderName = g.holderName(out[i].Holder)
+			out[i].HolderName = g.HolderName(out[i].Holder)
 		}
 	}
 	return out

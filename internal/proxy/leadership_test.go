@@ -15,7 +15,9 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
+	"github.com/fenceproxy/fenceproxy/internal/lease/consul"
 	"github.com/fenceproxy/fenceproxy/internal/proxy"
+	"github.com/fenceproxy/fenceproxy/internal/proxy/guards"
 	"github.com/fenceproxy/fenceproxy/internal/testenv"
 )
 
@@ -97,7 +99,7 @@ func TestMonitoringNames(t *testing.T) {
 	if _, err := proxy.New(cfg, proxy.Options{Registry: reg, Registerer: known, Metrics: proxy.NewMetrics(known)}); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := proxy.NewGuard(ctxT(t), cfg, proxy.GuardOptions{Registry: reg, Registerer: known}); err != nil {
+	if _, err := guards.Consul(ctxT(t), cfg, consul.GuardOptions{Registry: reg, Registerer: known}); err != nil {
 		t.Fatal(err)
 	}
 	dir := filepath.Join("..", "..", "monitoring")

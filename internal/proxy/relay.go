@@ -5,12 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"strings"
-	"syscall"
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
 	"go.uber.org/zap"
 
@@ -557,10 +554,10 @@ func (sess *session) askSettled() (settled, gone bool) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	// On a new connection if the pooled one was ended (CI saw two idle connections
-	// ended, and both asked): onControl. Only the answer of a new connection can say
+	// ended, and both asked): fence.OnControl. Only the answer of a new connection can say
 	// that the server itself is going away.
 	var stored int64
-	err := onControl(ctx, srv.control, func(conn *pgx.Conn) error {
+	err := fence.OnControl(ctx, srv.control, func(conn *pgx.Conn) error {
 		var err error
 		stored, err = srv.cfg.Key.Settled(ctx, conn, sess.cred.Resource, sess.cred.Token)
 		return err
@@ -570,19 +567,12 @@ func (sess *session) askSettled() (settled, gone bool) {
 		srv.reg.Observe(sess.database, sess.cred.Resource, stored)
 		return true, false
 	}
-	if goingAway(err) {
+	if fence.GoingAway(err) {
 		sess.log.Warn("the server is going away: the session's end was not a raise's", zap.Error(err))
 		return true, true
 	}
 	sess.log.Warn("could not ask the control database whether a raise ended the session", zap.Error(err))
 	return false, false
-}
-
-// goingAway reports whether err says the server is shutting down or refuses
-// connections (SQLSTATE class 57, or a refused connection).
-func goingAway(err error) bool {
-	var pgErr *pgconn.PgError
-	return (errors.As(err, &pgErr) && strings.HasPrefix(pgErr.Code, "57")) || errors.Is(err, syscall.ECONNREFUSED)
 }
 
 // ---------------------------------------------------------------------

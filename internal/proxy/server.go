@@ -22,7 +22,7 @@ import (
 )
 
 // Admitter validates a session's credentials against an authority outside
-// the database (Consul) before the proxy binds the session. A nil Admitter
+// the database (a lock service's Guard) before the proxy binds the session. A nil Admitter
 // admits every well-formed token; the database's bind still orders them.
 // Tokens of the PostgreSQL lease need no Admitter: fence.bind itself checks
 // them against the lease row (migration 5), in the bind's own statement.
@@ -37,7 +37,7 @@ type upstreamSwitcher interface {
 }
 
 // HolderAdmitter is an Admitter that names the holder of the lock whose token it admitted
-// (the Guard: the Consul session). The session's bind then records (token, holder) in its own
+// (every Guard: the Consul session, etcd's lease, ZooKeeper's session). The session's bind then records (token, holder) in its own
 // database before it binds (fence.ConsulBindQuery), and asks Judge what a record that does
 // not admit them means: one token is admitted to one holder only, in every database, with or
 // without a control database.
@@ -225,8 +225,10 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 				Changed: s.metrics.upstreamChange,
 				// Before the rebase: an Admitter that admits on the database's word must stop first.
 				Switching: func() {
-					if sw, ok := s.admit.(upstreamSwitcher); ok {
-						sw.UpstreamSwitched()
+					for _, g := range guards(s.admit) {
+						if sw, ok := g.(upstreamSwitcher); ok {
+							sw.UpstreamSwitched()
+						}
 					}
 				},
 				Prepare:  func(cc *pgx.ConnConfig) { s.aimAtPrimary(&cc.Config) },

@@ -64,13 +64,13 @@ type session struct {
 	host                        int
 	hotStandby, readOnlyDefault string
 
-	cred          fence.Credentials
-	mode          sessionMode
-	database      string // the database the session connects to (the registry's key, the proof's)
-	consulChecked bool   // the token was validated against Consul
-	holder        string // the lock's holder the admitter showed with the token ("" if none): recorded by the bind
-	leaseBind     bool   // bound with fence.lease_bind (a --lease-resource): its row starts with the lease's holder
-	sub           *fence.Subscription
+	cred         fence.Credentials
+	mode         sessionMode
+	database     string // the database the session connects to (the registry's key, the proof's)
+	guardChecked bool   // the token was validated by its lock service's Guard
+	holder       string // the lock's holder the admitter showed with the token ("" if none): recorded by the bind
+	leaseBind    bool   // bound with fence.lease_bind (a --lease-resource): its row starts with the lease's holder
+	sub          *fence.Subscription
 
 	// stale is set when a higher token was admitted for the session's
 	// resource (admitted is that token, staleCh is closed then).
@@ -449,7 +449,8 @@ func (sess *session) admit(ctx context.Context) error {
 		switch f.resp.Code {
 		case fence.CodeStale, fence.CodeHolderMismatch, fence.CodeMissing:
 			// A leader that holds another lock than the one this proxy validates sees it here.
-			if a := authority(sess.srv.admit, sess.cred.Resource); a != "" {
+			if g := guardOf(sess.srv.admit, sess.cred.Resource); g != nil {
+				a := g.Authority(sess.cred.Resource)
 				f.resp.Hint = strings.TrimSpace(f.resp.Hint + fmt.Sprintf(" This proxy validates resource %q against %s: a lock held elsewhere is not this resource's.",
 					sess.cred.Resource, a))
 			}
@@ -463,10 +464,8 @@ func (sess *session) admitToken(ctx context.Context) error {
 	if w := s.controlMismatch(); w != "" {
 		return fatalFence(fence.Unavailable(cred.Resource, w))
 	}
-	if v, ok := s.admit.(interface{ Validates(string) bool }); ok && v.Validates(cred.Resource) {
-		sess.consulChecked = true
-	}
-	if h := s.reg.Highest(sess.database, cred.Resource); h > cred.Token && !sess.consulChecked {
+	sess.guardChecked = guardOf(s.admit, cred.Resource) != nil
+	if h := s.reg.Highest(sess.database, cred.Resource); h > cred.Token && !sess.guardChecked {
 		return fatalFence(fence.Stale(cred.Resource, cred.Token, h))
 	}
 	if s.admit != nil {
@@ -477,7 +476,7 @@ func (sess *session) admitToken(ctx context.Context) error {
 			err = s.admit.Admit(ctx, cred)
 		}
 		if err != nil {
-			if h := s.reg.Highest(sess.database, cred.Resource); h > cred.Token && !fence.IsRegression(err) && !errors.Is(err, errMoved) {
+			if h := s.reg.Highest(sess.database, cred.Resource); h > cred.Token && !fence.IsRegression(err) && !errors.Is(err, fence.ErrMoved) {
 				// Stale whatever Consul's state (unknown during an outage): say so.
 				return fatalFence(fence.Stale(cred.Resource, cred.Token, h))
 			}
@@ -851,7 +850,7 @@ func (sess *session) bound(ctx context.Context, row [][]byte, serverErr *pgproto
 	c := sess.cred
 	judge, _ := sess.srv.admit.(HolderAdmitter)
 	if serverErr != nil {
-		if serverErr.Code == fence.CodeStale && sess.consulChecked && judge != nil {
+		if serverErr.Code == fence.CodeStale && sess.guardChecked && judge != nil {
 			// Consul said this token was current, yet the database admitted a higher
 			// one: a hand-over since Consul's answer (stale, ZF001), or Consul's numbers
 			// went backwards (ZF007). A consistent read made now tells them apart;

@@ -12,6 +12,7 @@ import (
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
 	"github.com/fenceproxy/fenceproxy/internal/lease"
+	"github.com/fenceproxy/fenceproxy/internal/lease/zookeeper"
 	"github.com/fenceproxy/fenceproxy/internal/proxy"
 	"github.com/fenceproxy/fenceproxy/internal/testenv"
 )
@@ -37,7 +38,7 @@ func TestZooKeeperGuard(t *testing.T) {
 	reg := fence.NewRegistry()
 	metrics := prometheus.NewRegistry()
 	ctx, cancel := context.WithCancel(context.Background())
-	g, err := proxy.NewZooKeeperGuard(ctx, cfg, proxy.ZooKeeperGuardOptions{Registry: reg, Logger: zaptest.NewLogger(t), Registerer: metrics})
+	g, err := lockGuard(ctx, cfg, proxy.LockGuardOptions{Registry: reg, Logger: zaptest.NewLogger(t), Registerer: metrics})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -56,7 +57,7 @@ func TestZooKeeperGuard(t *testing.T) {
 	}
 	lock := func(holder, res string) lease.Lease {
 		t.Helper()
-		s := &lease.ZooKeeperStore{Servers: []string{z.Addr}, TTL: 5 * time.Second, Holder: holder}
+		s := &zookeeper.Store{Servers: []string{z.Addr}, TTL: 5 * time.Second, Holder: holder}
 		l, err := s.Campaign(ctxT(t), res)
 		if err != nil {
 			t.Fatal(err)
@@ -194,7 +195,7 @@ func TestZooKeeperGuardConfig(t *testing.T) {
 	} {
 		cfg := base
 		cfg.ZKServers, cfg.ZKResources = tc.servers, tc.resources
-		g, err := proxy.NewZooKeeperGuard(context.Background(), cfg, proxy.ZooKeeperGuardOptions{Registry: fence.NewRegistry()})
+		g, err := lockGuard(context.Background(), cfg, proxy.LockGuardOptions{Registry: fence.NewRegistry()})
 		if err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("servers %v, resources %v: %v, %v; want an error saying %q", tc.servers, tc.resources, g, err, tc.want)
 		}

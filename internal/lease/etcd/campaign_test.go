@@ -1,4 +1,4 @@
-package lease_test
+package etcd_test
 
 import (
 	"context"
@@ -15,29 +15,23 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"github.com/fenceproxy/fenceproxy/internal/lease"
+	"github.com/fenceproxy/fenceproxy/internal/lease/etcd"
+	"github.com/fenceproxy/fenceproxy/internal/lease/leasetest"
 	"github.com/fenceproxy/fenceproxy/internal/testenv"
 )
 
-func etcdCampaign(t *testing.T, s *lease.EtcdStore, resource string) lease.Lease {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
-	defer cancel()
-	l, err := s.Campaign(ctx, resource)
-	if err != nil {
-		t.Fatalf("Campaign(%q) as %q: %v", resource, s.Holder, err)
-	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		_ = l.Release(ctx)
+// createRevision reads key linearizably: its CreateRevision, 0 when it does not exist.
+
+// TestMain doubles as the holder process of the freeze tests (leasetest.StartHolder).
+func TestMain(m *testing.M) {
+	leasetest.Main(m, map[string]func() int{
+		"LEASE_TEST_ETCD_HOLDER": runEtcdHolder,
 	})
-	return l
 }
 
-// createRevision reads key linearizably: its CreateRevision, 0 when it does not exist.
 func createRevision(t *testing.T, cli *clientv3.Client, key string) int64 {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), leasetest.WaitTimeout)
 	defer cancel()
 	resp, err := cli.Get(ctx, key)
 	if err != nil {
@@ -53,13 +47,13 @@ func TestEtcdLease(t *testing.T) {
 	t.Parallel()
 	e := testenv.StartEtcd(t)
 	cli := e.Client(t)
-	store := func(holder string, ttl time.Duration) *lease.EtcdStore {
-		return &lease.EtcdStore{Client: cli, TTL: ttl, Holder: holder}
+	store := func(holder string, ttl time.Duration) *etcd.Store {
+		return &etcd.Store{Client: cli, TTL: ttl, Holder: holder}
 	}
 
 	t.Run("acquire, renew past the TTL, release", func(t *testing.T) {
 		t.Parallel()
-		l := etcdCampaign(t, store("a", time.Second), "renew")
+		l := leasetest.Campaign(t, store("a", time.Second), "renew")
 		if l.Store() != lease.StoreEtcd || !strings.HasPrefix(l.Key(), "locks/renew/") || !strings.HasSuffix(l.Key(), "/"+l.Holder()) {
 			t.Errorf("lease: store %q key %q holder %q; want etcd, locks/renew/<holder>", l.Store(), l.Key(), l.Holder())
 		}
@@ -81,7 +75,7 @@ func TestEtcdLease(t *testing.T) {
 		if !errors.Is(l.Err(), lease.ErrReleased) {
 			t.Errorf("Err after Release = %v, want ErrReleased", l.Err())
 		}
-		waitClosed(t, "Done after Release", l.Done(), time.Second)
+		leasetest.WaitClosed(t, "Done after Release", l.Done(), time.Second)
 		if got := createRevision(t, cli, l.Key()); got != 0 {
 			t.Errorf("leader key still there after Release (CreateRevision %d)", got)
 		}
@@ -91,7 +85,7 @@ func TestEtcdLease(t *testing.T) {
 		t.Parallel()
 		var last int64
 		for i, holder := range []string{"a", "b", "a", "a", "b"} {
-			l := etcdCampaign(t, store(holder, 5*time.Second), "handover")
+			l := leasetest.Campaign(t, store(holder, 5*time.Second), "handover")
 			if l.Token() <= last {
 				t.Fatalf("hand-over %d: token %d after %d, want higher", i, l.Token(), last)
 			}
@@ -102,7 +96,7 @@ func TestEtcdLease(t *testing.T) {
 				if _, err := cli.Delete(context.Background(), "locks/handover/", clientv3.WithPrefix()); err != nil {
 					t.Fatal(err)
 				}
-				waitClosed(t, "Done after the key was deleted", l.Done(), waitTimeout)
+				leasetest.WaitClosed(t, "Done after the key was deleted", l.Done(), leasetest.WaitTimeout)
 				if err := l.Err(); !errors.Is(err, lease.ErrLockLost) || !strings.Contains(err.Error(), "deleted") {
 					t.Errorf("Err = %v, want ErrLockLost saying the key was deleted", err)
 				}
@@ -116,14 +110,14 @@ func TestEtcdLease(t *testing.T) {
 	t.Run("a holder whose keepalives stop is taken over with a higher token", func(t *testing.T) {
 		t.Parallel()
 		own := e.Client(t) // closing it stops the session's keepalives; the server keeps the key until its TTL
-		a := etcdCampaign(t, &lease.EtcdStore{Client: own, TTL: 2 * time.Second, Holder: "a"}, "expiry")
+		a := leasetest.Campaign(t, &etcd.Store{Client: own, TTL: 2 * time.Second, Holder: "a"}, "expiry")
 		own.Close()
-		waitClosed(t, "Done after the keepalives stopped", a.Done(), waitTimeout)
+		leasetest.WaitClosed(t, "Done after the keepalives stopped", a.Done(), leasetest.WaitTimeout)
 		if err := a.Err(); !errors.Is(err, lease.ErrLockLost) {
 			t.Errorf("Err = %v, want ErrLockLost", err)
 		}
 		stopped := time.Now()
-		b := etcdCampaign(t, store("b", 2*time.Second), "expiry")
+		b := leasetest.Campaign(t, store("b", 2*time.Second), "expiry")
 		t.Logf("keepalives stopped -> new holder after %v (TTL 2s)", time.Since(stopped).Round(time.Millisecond))
 		if b.Token() <= a.Token() {
 			t.Errorf("token %d after %d, want higher", b.Token(), a.Token())
@@ -135,7 +129,7 @@ func TestEtcdLease(t *testing.T) {
 
 	t.Run("contenders are never two holders", func(t *testing.T) {
 		t.Parallel()
-		contend(t, func(name string) lease.Store { return store(name, 5*time.Second) }, "contend", 5, 4)
+		leasetest.Contend(t, func(name string) lease.Store { return store(name, 5*time.Second) }, "leasetest.Contend", 5, 4)
 	})
 
 	t.Run("TTLs etcd cannot grant are refused", func(t *testing.T) {
@@ -150,7 +144,7 @@ func TestEtcdLease(t *testing.T) {
 
 	t.Run("a cancelled campaign leaves no key behind", func(t *testing.T) {
 		t.Parallel()
-		holder := etcdCampaign(t, store("a", 5*time.Second), "cancel")
+		holder := leasetest.Campaign(t, store("a", 5*time.Second), "cancel")
 		ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
 		defer cancel()
 		if _, err := store("b", 5*time.Second).Campaign(ctx, "cancel"); !errors.Is(err, context.DeadlineExceeded) {
@@ -171,10 +165,10 @@ func TestEtcdLease(t *testing.T) {
 func TestEtcdLeaseServerDown(t *testing.T) {
 	t.Parallel()
 	e := testenv.StartEtcd(t)
-	l := etcdCampaign(t, &lease.EtcdStore{Client: e.Client(t), TTL: 2 * time.Second, Holder: "a", Logger: zaptest.NewLogger(t)}, "down")
+	l := leasetest.Campaign(t, &etcd.Store{Client: e.Client(t), TTL: 2 * time.Second, Holder: "a", Logger: zaptest.NewLogger(t)}, "down")
 	e.Stop(t)
 	stopped := time.Now()
-	waitClosed(t, "Done with etcd down", l.Done(), waitTimeout)
+	leasetest.WaitClosed(t, "Done with etcd down", l.Done(), leasetest.WaitTimeout)
 	t.Logf("lease lost %v after etcd stopped (TTL 2s)", time.Since(stopped).Round(time.Millisecond))
 	if err := l.Err(); !errors.Is(err, lease.ErrLockLost) || !strings.Contains(err.Error(), "not renewed within its TTL") {
 		t.Errorf("Err = %v, want ErrLockLost: not renewed within its TTL", err)
@@ -190,12 +184,12 @@ func TestEtcdLeaseServerDown(t *testing.T) {
 // it wins the election of $LEASE_TEST_RESOURCE on $LEASE_TEST_ETCD with a 2 s TTL, prints
 // "token N", then "lost ERROR" when the lease is lost.
 func runEtcdHolder() int {
-	cli, err := lease.NewEtcdClient(lease.EtcdConfig{Endpoints: []string{os.Getenv("LEASE_TEST_ETCD")}})
+	cli, err := etcd.NewClient(etcd.Config{Endpoints: []string{os.Getenv("LEASE_TEST_ETCD")}})
 	if err != nil {
 		fmt.Println("error", err)
 		return 1
 	}
-	return runStoreHolder(&lease.EtcdStore{Client: cli, TTL: 2 * time.Second, Holder: "frozen"}, os.Getenv("LEASE_TEST_RESOURCE"))
+	return leasetest.RunStoreHolder(&etcd.Store{Client: cli, TTL: 2 * time.Second, Holder: "frozen"}, os.Getenv("LEASE_TEST_RESOURCE"))
 }
 
 // TestEtcdLeaseFrozenHolder freezes a holder (a process of its own, SIGSTOP): etcd expires
@@ -205,7 +199,7 @@ func TestEtcdLeaseFrozenHolder(t *testing.T) {
 	t.Parallel()
 	e := testenv.StartEtcd(t)
 	const resource = "frozen"
-	holder, _, next := startHolder(t, "LEASE_TEST_ETCD_HOLDER=1", "LEASE_TEST_ETCD="+e.Endpoint, "LEASE_TEST_RESOURCE="+resource)
+	holder, _, next := leasetest.StartHolder(t, "LEASE_TEST_ETCD_HOLDER=1", "LEASE_TEST_ETCD="+e.Endpoint, "LEASE_TEST_RESOURCE="+resource)
 	token, err := strconv.ParseInt(strings.TrimPrefix(next("token "), "token "), 10, 64)
 	if err != nil {
 		t.Fatal(err)
@@ -214,7 +208,7 @@ func TestEtcdLeaseFrozenHolder(t *testing.T) {
 		t.Fatal(err)
 	}
 	frozen := time.Now()
-	contender := etcdCampaign(t, &lease.EtcdStore{Client: e.Client(t), TTL: 2 * time.Second, Holder: "contender"}, resource)
+	contender := leasetest.Campaign(t, &etcd.Store{Client: e.Client(t), TTL: 2 * time.Second, Holder: "contender"}, resource)
 	t.Logf("holder frozen -> new holder after %v (TTL 2s)", time.Since(frozen).Round(time.Millisecond))
 	if contender.Token() <= token {
 		t.Errorf("tokens %d then %d, want higher", token, contender.Token())

@@ -1,12 +1,13 @@
-package lease
+// Package pglease is the PostgreSQL lease of the fence schema (fence.leases) as a lock
+// service: campaigning, renewing and releasing through the schema's lease functions (Store,
+// the token the lease row's generation). The proxy asks no service for it: the database's own
+// bind checks its tokens against the lease row (fence.lease_bind).
+package pglease
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
-	"os"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
@@ -14,10 +15,11 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
+	"github.com/fenceproxy/fenceproxy/internal/lease"
 	"github.com/fenceproxy/fenceproxy/internal/standby"
 )
 
-// PostgresStore grants the PostgreSQL lease of migration 5 (fence.leases in the protected
+// Store grants the PostgreSQL lease of migration 5 (fence.leases in the protected
 // database, `fenceproxy lock --store postgres`): a row per resource with its holder, an
 // expiry decided by the database's clock and a generation, the fencing token, that every
 // acquisition increments and admits (fence.lease_acquire). No other service is needed: the
@@ -32,11 +34,11 @@ import (
 // lease expired, was released, or another holder took it over) ends the lease at once, and so
 // does reaching the local deadline without a successful renewal, whatever the database says
 // later: a frozen holder that wakes up after TTL never believes it still leads.
-type PostgresStore struct {
+type Store struct {
 	// URL is the protected database, reached directly (not through the proxy): a
 	// postgres:// URL or keyword/value string, as pgx accepts. Required.
 	URL string
-	// TTL is the lease's time to live, 1 s to 24 h; default DefaultTTL.
+	// TTL is the lease's time to live, 1 s to 24 h; default lease.DefaultTTL.
 	TTL time.Duration
 	// Holder names this process in the lease row; default host:pid:random, drawn anew for
 	// each Campaign. A held lease is never taken by naming its holder (schema version 8): a
@@ -55,8 +57,8 @@ type PostgresStore struct {
 	FlushTimeout time.Duration
 }
 
-// Name is StorePostgres.
-func (p *PostgresStore) Name() string { return StorePostgres }
+// Name is lease.StorePostgres.
+func (p *Store) Name() string { return lease.StorePostgres }
 
 const (
 	acquireQuery = "SELECT acquired, generation, coalesce(current_holder, '') FROM fence.lease_acquire($1, $2, $3)"
@@ -68,19 +70,19 @@ const (
 // most 1 s) while another holder has it. Database errors are logged and retried with backoff
 // until ctx ends; a refusal that retrying cannot change (a malformed argument or TTL, a schema
 // without migration 5, a role without EXECUTE, failed authentication) is returned wrapping
-// ErrRefused.
-func (p *PostgresStore) Campaign(ctx context.Context, resource string) (Lease, error) {
+// lease.ErrRefused.
+func (p *Store) Campaign(ctx context.Context, resource string) (lease.Lease, error) {
 	ttl := p.TTL
 	if ttl == 0 {
-		ttl = DefaultTTL
+		ttl = lease.DefaultTTL
 	}
 	if ttl < time.Second || ttl > 24*time.Hour {
-		return nil, fmt.Errorf("lease: %w: postgres lease TTL %v: want 1s to 24h", ErrRefused, ttl)
+		return nil, fmt.Errorf("lease: %w: postgres lease TTL %v: want 1s to 24h", lease.ErrRefused, ttl)
 	}
 	holder := p.Holder
 	if holder == "" {
 		var err error
-		if holder, err = defaultHolder(); err != nil {
+		if holder, err = lease.DefaultHolder(); err != nil {
 			return nil, err
 		}
 	}
@@ -90,7 +92,7 @@ func (p *PostgresStore) Campaign(ctx context.Context, resource string) (Lease, e
 	}
 	cfg, err := pgxpool.ParseConfig(p.URL)
 	if err != nil {
-		return nil, fmt.Errorf("lease: %w: postgres lease database: %w", ErrRefused, err)
+		return nil, fmt.Errorf("lease: %w: postgres lease database: %w", lease.ErrRefused, err)
 	}
 	// Two connections: a renewal never waits behind a release or a slow acquire.
 	cfg.MaxConns = 2
@@ -102,10 +104,10 @@ func (p *PostgresStore) Campaign(ctx context.Context, resource string) (Lease, e
 	if err != nil {
 		return nil, fmt.Errorf("lease: postgres lease database: %w", err)
 	}
-	log = log.With(zap.String("store", StorePostgres), zap.String("session", holder))
+	log = log.With(zap.String("store", lease.StorePostgres), zap.String("session", holder))
 	log.Info("campaigning", zap.String("key", leaseKey(resource)))
 	poll := min(ttl/10, time.Second)
-	retry := newBackoff(100*time.Millisecond, 2*time.Second)
+	retry := lease.NewBackoff(100*time.Millisecond, 2*time.Second)
 	var lastHolder string
 	for {
 		if err := ctx.Err(); err != nil {
@@ -138,14 +140,14 @@ func (p *PostgresStore) Campaign(ctx context.Context, resource string) (Lease, e
 					hint = " (" + pe.Hint + ")"
 				}
 			}
-			return nil, fmt.Errorf("lease: %w: acquire %s: %w%s", ErrRefused, leaseKey(resource), err, hint)
+			return nil, fmt.Errorf("lease: %w: acquire %s: %w%s", lease.ErrRefused, leaseKey(resource), err, hint)
 		case err != nil:
 			log.Warn("acquire postgres lease", zap.Error(err))
-			retry.wait(ctx)
+			retry.Wait(ctx)
 			continue
 		case acquired:
 			if err := p.waitStandbys(ctx, pool, resource, holder, generation, log); err != nil {
-				if errors.Is(err, ErrRefused) {
+				if errors.Is(err, lease.ErrRefused) {
 					pool.Close()
 					return nil, err
 				}
@@ -154,19 +156,19 @@ func (p *PostgresStore) Campaign(ctx context.Context, resource string) (Lease, e
 					return nil, fmt.Errorf("lease: campaign for %s ended: %w (the last acquisition was released: %w)", leaseKey(resource), ctx.Err(), err)
 				}
 				log.Warn("acquired postgres lease released: not on the failover standbys", zap.Int64("generation", generation), zap.Error(err))
-				retry.wait(ctx)
+				retry.Wait(ctx)
 				continue
 			}
-			l := &pgLease{
+			l := &held{
 				pool: pool, resource: resource, holder: holder, token: generation, ttl: ttl, log: log,
-				outcome: newOutcome(), stopped: make(chan struct{}),
+				Outcome: lease.NewOutcome(), stopped: make(chan struct{}),
 			}
 			rctx, stop := context.WithCancel(context.WithoutCancel(ctx))
 			l.stop = stop
 			go l.renew(rctx, sent.Add(ttl))
 			return l, nil
 		}
-		retry.reset()
+		retry.Reset()
 		if current != lastHolder {
 			log.Info("lease held by another holder; waiting", zap.String("holder", current), zap.Int64("generation", generation))
 			lastHolder = current
@@ -183,8 +185,8 @@ func (p *PostgresStore) Campaign(ctx context.Context, resource string) (Lease, e
 // waitStandbys waits until p.Standbys have flushed the acquisition of generation. When they
 // do not confirm in time it releases the lease (the generation was never handed out) and
 // returns the error that names them; a wait that cannot succeed (no privilege, no slot)
-// returns an error wrapping ErrRefused.
-func (p *PostgresStore) waitStandbys(ctx context.Context, pool *pgxpool.Pool, resource, holder string, generation int64, log *zap.Logger) error {
+// returns an error wrapping lease.ErrRefused.
+func (p *Store) waitStandbys(ctx context.Context, pool *pgxpool.Pool, resource, holder string, generation int64, log *zap.Logger) error {
 	if p.Standbys.Empty() {
 		return nil
 	}
@@ -197,7 +199,7 @@ func (p *PostgresStore) waitStandbys(ctx context.Context, pool *pgxpool.Pool, re
 		return nil
 	}
 	if errors.Is(err, standby.ErrSetup) {
-		err = fmt.Errorf("lease: %w: %s generation %d: %w", ErrRefused, leaseKey(resource), generation, err)
+		err = fmt.Errorf("lease: %w: %s generation %d: %w", lease.ErrRefused, leaseKey(resource), generation, err)
 	} else {
 		err = fmt.Errorf("lease: %s generation %d: %w", leaseKey(resource), generation, err)
 	}
@@ -233,20 +235,8 @@ func sqlState(err error) string {
 
 func leaseKey(resource string) string { return "fence.leases/" + resource }
 
-func defaultHolder() (string, error) {
-	host, err := os.Hostname()
-	if err != nil || host == "" {
-		host = "unknown-host"
-	}
-	var b [4]byte
-	if _, err := rand.Read(b[:]); err != nil {
-		return "", fmt.Errorf("lease: holder name: %w", err)
-	}
-	return fmt.Sprintf("%s:%d:%s", host, os.Getpid(), hex.EncodeToString(b[:])), nil
-}
-
-// pgLease is a held PostgreSQL lease.
-type pgLease struct {
+// held is a held PostgreSQL lease.
+type held struct {
 	pool     *pgxpool.Pool
 	resource string
 	holder   string
@@ -254,25 +244,25 @@ type pgLease struct {
 	ttl      time.Duration
 	log      *zap.Logger
 
-	outcome
+	lease.Outcome
 	stop    context.CancelFunc // stops the renewer
 	stopped chan struct{}      // closed when the renewer returned
 }
 
-func (l *pgLease) Store() string  { return StorePostgres }
-func (l *pgLease) Key() string    { return leaseKey(l.resource) }
-func (l *pgLease) Holder() string { return l.holder }
-func (l *pgLease) Token() int64   { return l.token }
+func (l *held) Store() string  { return lease.StorePostgres }
+func (l *held) Key() string    { return leaseKey(l.resource) }
+func (l *held) Holder() string { return l.holder }
+func (l *held) Token() int64   { return l.token }
 
-func (l *pgLease) lost(format string, args ...any) {
-	err := fmt.Errorf("%w: %s generation %d: %s", ErrLockLost, leaseKey(l.resource), l.token, fmt.Sprintf(format, args...))
+func (l *held) lost(format string, args ...any) {
+	err := fmt.Errorf("%w: %s generation %d: %s", lease.ErrLockLost, leaseKey(l.resource), l.token, fmt.Sprintf(format, args...))
 	l.log.Warn("lock lost", zap.String("key", leaseKey(l.resource)), zap.Int64("token", l.token), zap.Error(err))
-	l.finish(err)
+	l.Finish(err)
 }
 
-// renew keeps the lease until ctx ends or the lease is lost (see PostgresStore for the
+// renew keeps the lease until ctx ends or the lease is lost (see Store for the
 // timing). deadline is when this side counts the lease as expired.
-func (l *pgLease) renew(ctx context.Context, deadline time.Time) {
+func (l *held) renew(ctx context.Context, deadline time.Time) {
 	defer close(l.stopped)
 	interval := l.ttl / 3
 	retryEvery := min(l.ttl/10, time.Second)
@@ -324,7 +314,7 @@ func (l *pgLease) renew(ctx context.Context, deadline time.Time) {
 }
 
 // describe says who holds the lease now, for the error of a refused renewal.
-func (l *pgLease) describe() string {
+func (l *held) describe() string {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()
 	var holder *string
@@ -351,12 +341,12 @@ func (l *pgLease) describe() string {
 // first): it is released all the same, so that the next holder need not wait for the expiry.
 // The database releases only for this holder and generation, so a lease another holder took
 // over is left alone.
-func (l *pgLease) Release(ctx context.Context) error {
+func (l *held) Release(ctx context.Context) error {
 	l.stop()
 	<-l.stopped
 	defer l.pool.Close()
-	defer l.finish(ErrReleased)
-	if errors.Is(l.Err(), ErrReleased) {
+	defer l.Finish(lease.ErrReleased)
+	if errors.Is(l.Err(), lease.ErrReleased) {
 		return nil
 	}
 	var ok bool

@@ -1,27 +1,21 @@
-package proxy
+package consul
 
 import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
 	"github.com/hashicorp/consul/api"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
 	"github.com/fenceproxy/fenceproxy/internal/lease"
-)
-
-// Consul-down policies.
-const (
-	ConsulDownRefuse        = "refuse"
-	ConsulDownTrustDatabase = "trust-database"
 )
 
 // GuardApplicationName is the application_name of the Guard's connections to the control
@@ -70,12 +64,14 @@ const GuardApplicationName = "fenceproxy guard"
 // Without a control database the proactive raise and the shared record of regressions a watch
 // saw are gone; the holder record of the protected database (C2, C5) stays.
 type Guard struct {
-	watcher  *lease.Watcher
-	reg      *fence.Registry
-	log      *zap.Logger
-	keys     map[string]string // resource -> key
-	byKey    map[string]string // key -> resource
-	downMode string
+	watcher *Watcher
+	reg     *fence.Registry
+	log     *zap.Logger
+	keys    map[string]string // resource -> key
+	byKey   map[string]string // key -> resource
+	// trustDatabase admits tokens on the database's word while Consul is unreachable
+	// (--consul-down trust-database).
+	trustDatabase bool
 	// requireSession refuses sessions without fence.session (--consul-require-session).
 	requireSession bool
 	pool           *pgxpool.Pool // control database for proactive raises (nil: none)
@@ -99,7 +95,7 @@ type Guard struct {
 	// regression is counted, logged and recorded in the database once (the watcher reports
 	// it again with every later change of the key).
 	reportMu sync.Mutex
-	reported map[string]*lease.RegressionError
+	reported map[string]*RegressionError
 
 	// names holds the Name of the Consul sessions that held a lock (fenceproxy lock names
 	// its sessions "fenceproxy lock <resource>"), read once per session for the status page
@@ -113,9 +109,9 @@ type Guard struct {
 // maxNames bounds Guard.names: past it the map starts over (holders come and go).
 const maxNames = 256
 
-// holderName is the Name of Consul session id, or "" while it is not known; the first call
+// HolderName implements the proxy's Guard: the Name of Consul session id, or "" while it is not known; the first call
 // for a session reads it from Consul in the background.
-func (g *Guard) holderName(id string) string {
+func (g *Guard) HolderName(id string) string {
 	if id == "" || g.client == nil {
 		return ""
 	}
@@ -165,38 +161,53 @@ type GuardOptions struct {
 	Registerer prometheus.Registerer
 }
 
-// NewGuard builds a Guard for the resources of cfg that name a Consul key.
-// It returns nil, nil when none does.
-func NewGuard(ctx context.Context, cfg Config, opts GuardOptions) (*Guard, error) {
-	s, err := cfg.validate()
-	if err != nil {
-		return nil, err
-	}
-	g := &Guard{reg: opts.Registry, log: opts.Logger, keys: map[string]string{}, byKey: map[string]string{}, unconfirmed: map[string]bool{}, downMode: s.ConsulDownMode, requireSession: s.ConsulRequireSession, key: s.Key,
-		reported: map[string]*lease.RegressionError{}, addr: s.ConsulAddr, answerTimeout: s.ConsulAnswerTimeout}
+// GuardConfig is what the Guard validates, against which Consul, and how (the proxy's
+// --consul-* flags, validated and defaulted: internal/proxy/guards builds it).
+type GuardConfig struct {
+	// Keys are the resources validated against Consul, and their lock keys.
+	Keys map[string]string
+	// Client says how to reach Consul.
+	Client Config
+	// Mode is which number of a key is the token (--consul-token-mode).
+	Mode lease.TokenMode
+	// TrustDatabase admits tokens on the database's word while Consul is unreachable
+	// (--consul-down trust-database).
+	TrustDatabase bool
+	// RequireSession refuses sessions without fence.session (--consul-require-session).
+	RequireSession bool
+	// AnswerTimeout is how long a session start waits for Consul (--consul-answer-timeout).
+	AnswerTimeout time.Duration
+	// Control is the control database's URL ("": none).
+	Control string
+	// Key is the proxy key, for the raise's proof.
+	Key fence.Key
+}
+
+// NewGuard builds a Guard for cfg.Keys. It returns nil, nil when there are none.
+func NewGuard(ctx context.Context, cfg GuardConfig, opts GuardOptions) (*Guard, error) {
+	g := &Guard{reg: opts.Registry, log: opts.Logger, keys: map[string]string{}, byKey: map[string]string{}, unconfirmed: map[string]bool{}, trustDatabase: cfg.TrustDatabase, requireSession: cfg.RequireSession, key: cfg.Key,
+		reported: map[string]*RegressionError{}, addr: cfg.Client.Addr, answerTimeout: cfg.AnswerTimeout}
 	if g.log == nil {
 		g.log = zap.NewNop()
 	}
 	if g.reg == nil {
-		return nil, errors.New("proxy: NewGuard needs the server's registry")
+		return nil, errors.New("consul: NewGuard needs the server's registry")
 	}
 	var keys []string
-	for _, r := range s.resources {
-		if r.Key == "" {
-			continue
-		}
-		g.keys[r.Name] = r.Key
-		g.byKey[r.Key] = r.Name
-		keys = append(keys, r.Key)
+	for res, key := range cfg.Keys {
+		g.keys[res] = key
+		g.byKey[key] = res
+		keys = append(keys, key)
 	}
 	if len(keys) == 0 {
 		return nil, nil
 	}
-	client, err := lease.NewClient(lease.ConsulConfig{Addr: s.ConsulAddr, Token: s.ConsulToken, CAFile: s.ConsulCAFile, Scheme: s.ConsulScheme})
+	slices.Sort(keys)
+	client, err := NewClient(cfg.Client)
 	if err != nil {
 		return nil, err
 	}
-	return g.finish(ctx, client, keys, s.ControlDatabase, lease.TokenMode(s.ConsulTokenMode), opts.Registerer)
+	return g.finish(ctx, client, keys, cfg.Control, cfg.Mode, opts.Registerer)
 }
 
 func (g *Guard) finish(ctx context.Context, client *api.Client, keys []string, control string, mode lease.TokenMode, reg prometheus.Registerer) (*Guard, error) {
@@ -211,7 +222,7 @@ func (g *Guard) finish(ctx context.Context, client *api.Client, keys []string, c
 	if reg != nil {
 		reg.MustRegister(g.metrics.regressions, g.metrics.raises, g.metrics.known)
 	}
-	w, err := lease.NewWatcher(client, lease.WatcherConfig{Keys: keys, OnChange: g.onChange, Logger: g.log, Mode: mode})
+	w, err := NewWatcher(client, WatcherConfig{Keys: keys, OnChange: g.onChange, Logger: g.log, Mode: mode})
 	if err != nil {
 		return nil, err
 	}
@@ -221,7 +232,7 @@ func (g *Guard) finish(ctx context.Context, client *api.Client, keys []string, c
 	if control != "" {
 		// So that operators can tell the Guard's backends from the sessions' (pg_stat_activity,
 		// and the history's application_name of its raises).
-		pool, err := newGuardPool(ctx, control, GuardApplicationName)
+		pool, err := fence.NewGuardPool(ctx, control, GuardApplicationName)
 		if err != nil {
 			return nil, err
 		}
@@ -273,7 +284,7 @@ func (g *Guard) loadRegressions(ctx context.Context) error {
 
 // Check reads every watched key once, with consistent reads, so that a misconfigured Consul
 // fails the proxy's start with the cause instead of refusing every session later: an ACL
-// refusal or a wrong scheme (lease.Permanent) fails at once; other errors (a dead port, no
+// refusal or a wrong scheme (Permanent) fails at once; other errors (a dead port, no
 // leader) are retried until ctx ends, then returned.
 func (g *Guard) Check(ctx context.Context) error {
 	for key := range g.byKey {
@@ -282,7 +293,7 @@ func (g *Guard) Check(ctx context.Context) error {
 			if err == nil {
 				break
 			}
-			if lease.Permanent(err) {
+			if Permanent(err) {
 				return fmt.Errorf("consul: %w (check --consul-token and its ACL policy: key read on %q, and --consul-addr/--consul-scheme)", err, key)
 			}
 			select {
@@ -339,7 +350,7 @@ func (g *Guard) AdmitHolder(ctx context.Context, c fence.Credentials) (string, e
 	if err == nil {
 		return st.Session, g.admitRecorded(ctx, c.Resource, key, c.Token, st.Session)
 	}
-	var re *lease.RegressionError
+	var re *RegressionError
 	switch {
 	case errors.As(err, &re):
 		// Validate's own read can see a regression before the watch does: make it
@@ -367,14 +378,14 @@ func (g *Guard) AdmitHolder(ctx context.Context, c fence.Credentials) (string, e
 	case errors.Is(err, lease.ErrSessionMismatch):
 		return "", fence.HolderMismatch(c.Resource, c.Session, st.Session)
 	case errors.Is(err, lease.ErrUnavailable):
-		if g.downMode == ConsulDownTrustDatabase && g.isUnconfirmed(c.Resource) {
+		if g.trustDatabase && g.isUnconfirmed(c.Resource) {
 			fe := g.unreachable(c.Resource, errors.Is(vctx.Err(), context.DeadlineExceeded), err)
 			fe.Message += "; --consul-down trust-database admits no token until Consul has answered once after the failover this proxy saw"
 			fe.Hint = "The database's server changed (a failover): its stored tokens may miss raises the old primary had, so only Consul can tell a stale token from the current one. " +
 				"Check that Consul is up and answers from this host (consul members; curl " + g.addr + "/v1/status/leader); sessions are admitted again once it answers (docs/consul.md: When Consul is unreachable)."
 			return "", fe
 		}
-		if g.downMode == ConsulDownTrustDatabase {
+		if g.trustDatabase {
 			// The operator chose availability: the database's raise still
 			// refuses tokens lower than the stored one, but a token Consul
 			// never issued may be admitted (see the README).
@@ -442,28 +453,11 @@ func (g *Guard) admitRecorded(ctx context.Context, res, key string, tok int64, h
 	if g.pool == nil {
 		return nil
 	}
-	var rec fence.ConsulRecord
-	err := onControl(ctx, g.pool, func(conn *pgx.Conn) error {
-		var err error
-		rec, err = g.key.ConsulAdmit(ctx, conn, res, tok, holder)
-		return err
-	})
+	rec, err := g.key.AdmitOnControl(ctx, g.pool, res, tok, holder)
 	if err != nil {
-		return recordFailed(res, err)
+		return err
 	}
 	return g.judge(ctx, res, key, tok, holder, rec)
-}
-
-// recordFailed is the refusal of a session whose lock-service token fence.consul_admit could
-// not record: the database's own refusal when it refused the resource (ZF004: retrying cannot
-// change it, as a PostgreSQL lease on the resource, L12), fail closed otherwise.
-func recordFailed(res string, err error) error {
-	var pe *pgconn.PgError
-	if errors.As(err, &pe) && pe.Code == fence.CodeMalformed {
-		return &fence.Error{Code: pe.Code, Message: pe.Message, Detail: pe.Detail, Hint: pe.Hint, Resource: res, Err: err}
-	}
-	return fence.Unavailable(res, fmt.Sprintf("the database's record of admitted tokens (fence.consul_admit; this fenceproxy needs fence schema version %d: ", fence.SchemaVersion)+
-		"run fenceproxy migrate) could not be updated: "+err.Error())
 }
 
 // judge decides what a database record means for tok, which Consul showed as current for
@@ -492,7 +486,7 @@ func (g *Guard) judge(ctx context.Context, res, key string, tok int64, holder st
 		return fence.Unavailable(res, fmt.Sprintf("the database recorded token %d of Consul session %q for token %d of session %q",
 			rec.Token, rec.Holder, tok, holder))
 	}
-	if fe := movedFrom(res, tok, rec, "Consul"); fe != nil {
+	if fe := rec.MovedFrom(res, tok, "Consul"); fe != nil {
 		return fe
 	}
 	s, err := g.watcher.Read(ctx, key)
@@ -514,12 +508,12 @@ func (g *Guard) judge(ctx context.Context, res, key string, tok int64, holder st
 	return fence.Regression(res, reason)
 }
 
-func regressionError(resource string, re *lease.RegressionError) *fence.Error {
+func regressionError(resource string, re *RegressionError) *fence.Error {
 	return fence.Regression(resource, fmt.Sprintf("the token of Consul lock %q went backwards: %s", re.Key, re.Reason))
 }
 
 // onChange reacts to a lock's new state (called by the watcher, in order per key).
-func (g *Guard) onChange(st lease.State) {
+func (g *Guard) onChange(st State) {
 	res := g.byKey[st.Key]
 	if st.Regression != nil {
 		// Sticky until Reset, known or not: the database still holds tokens of the
@@ -569,7 +563,7 @@ func (g *Guard) onChange(st lease.State) {
 
 // firstReport records re as res's current regression and reports whether it is new (nil:
 // none any more, after a Reset).
-func (g *Guard) firstReport(res string, re *lease.RegressionError) bool {
+func (g *Guard) firstReport(res string, re *RegressionError) bool {
 	g.reportMu.Lock()
 	defer g.reportMu.Unlock()
 	if g.reported[res] == re {
@@ -581,16 +575,13 @@ func (g *Guard) firstReport(res string, re *lease.RegressionError) bool {
 
 // record keeps a regression in the database (fence.consul_regress), where every proxy and a
 // restarted one find it; only fence.reset clears it there.
-func (g *Guard) record(res string, re *lease.RegressionError) {
+func (g *Guard) record(res string, re *RegressionError) {
 	if g.pool == nil {
 		return
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	err := onControl(ctx, g.pool, func(conn *pgx.Conn) error {
-		_, err := g.key.ConsulRegress(ctx, conn, res, max(1, int64(re.Highest)), re.Reason)
-		return err
-	})
+	err := g.key.RegressOnControl(ctx, g.pool, res, max(1, int64(re.Highest)), re.Reason)
 	if err != nil {
 		g.log.Error("could not record the regression in the database; this proxy fails closed, others learn it at their next admission",
 			zap.String("resource", res), zap.Error(err))
@@ -612,17 +603,7 @@ func (g *Guard) raise(res, key string, tok int64, holder string) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	var rec fence.ConsulRecord
-	var stored int64
-	err := onControl(ctx, g.pool, func(conn *pgx.Conn) error {
-		var err error
-		// Recorded first: the database never stores a token whose holder it does not know.
-		if rec, err = g.key.ConsulAdmit(ctx, conn, res, tok, holder); err != nil || !rec.Admits(tok, holder) {
-			return err
-		}
-		stored, err = g.key.Raise(ctx, conn, res, tok)
-		return err
-	})
+	rec, stored, err := g.key.RaiseRecorded(ctx, g.pool, res, tok, holder)
 	if err == nil && stored > tok {
 		rec = fence.ConsulRecord{Token: stored} // a higher token admitted: judge tells why
 	}
@@ -642,3 +623,32 @@ func (g *Guard) raise(res, key string, tok int64, holder string) {
 		g.log.Info("raised token for the new holder", zap.String("resource", res), zap.Int64("token", tok))
 	}
 }
+
+// Unsynced implements the proxy's Guard: the resources whose Consul lock state is not known
+// now.
+func (g *Guard) Unsynced() []string {
+	var out []string
+	for res, key := range g.keys {
+		if st, ok := g.watcher.State(key); !ok || !st.Known {
+			out = append(out, res)
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+// HolderOf implements the proxy's Guard: the Consul session holding resource's lock when its
+// LockIndex is token.
+func (g *Guard) HolderOf(resource string, token int64) string {
+	key, ok := g.keys[resource]
+	if !ok {
+		return ""
+	}
+	if st, ok := g.watcher.State(key); ok && st.Known && st.Held && int64(st.LockIndex) == token {
+		return st.Session
+	}
+	return ""
+}
+
+// Store implements the proxy's Guard: lease.StoreConsul.
+func (g *Guard) Store() string { return lease.StoreConsul }

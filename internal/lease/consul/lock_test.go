@@ -1,4 +1,4 @@
-package lease_test
+package consul_test
 
 import (
 	"context"
@@ -14,6 +14,8 @@ import (
 	"github.com/hashicorp/consul/api"
 
 	"github.com/fenceproxy/fenceproxy/internal/lease"
+	"github.com/fenceproxy/fenceproxy/internal/lease/consul"
+	"github.com/fenceproxy/fenceproxy/internal/lease/leasetest"
 	"github.com/fenceproxy/fenceproxy/internal/testenv"
 )
 
@@ -24,7 +26,7 @@ func TestCampaign(t *testing.T) {
 
 	t.Run("lock-delay 0 reaches Consul", func(t *testing.T) {
 		t.Parallel()
-		s := newSession(t, client, lease.WithTTL(10*time.Second), lease.WithLockDelay(0))
+		s := newSession(t, client, consul.WithTTL(10*time.Second), consul.WithLockDelay(0))
 		info, _, err := client.Session().Info(s.ID(), nil)
 		if err != nil || info == nil {
 			t.Fatalf("session info: %v, %v", info, err)
@@ -41,10 +43,10 @@ func TestCampaign(t *testing.T) {
 		s2 := newSession(t, client)
 		l1 := acquire(t, s1, key)
 
-		got := make(chan *lease.Lock, 1)
+		got := make(chan *consul.Lock, 1)
 		errs := make(chan error, 1)
 		go func() {
-			l, err := lease.Acquire(testCtx(t), s2, key)
+			l, err := consul.Acquire(leasetest.Ctx(t), s2, key)
 			if err != nil {
 				errs <- err
 				return
@@ -60,26 +62,26 @@ func TestCampaign(t *testing.T) {
 		}
 
 		start := time.Now()
-		if err := s1.Close(testCtx(t)); err != nil {
+		if err := s1.Close(leasetest.Ctx(t)); err != nil {
 			t.Fatal(err)
 		}
-		var l2 *lease.Lock
+		var l2 *consul.Lock
 		select {
 		case l2 = <-got:
 		case err := <-errs:
 			t.Fatal(err)
-		case <-time.After(waitTimeout):
+		case <-time.After(leasetest.WaitTimeout):
 			t.Fatal("second contender did not acquire the released lock")
 		}
 		t.Logf("session destroyed -> new leader in %v", time.Since(start).Round(time.Millisecond))
 		if l2.Token() != l1.Token()+1 {
 			t.Errorf("tokens %d then %d, want consecutive", l1.Token(), l2.Token())
 		}
-		waitClosed(t, "first lock", l1.Done(), waitTimeout)
+		leasetest.WaitClosed(t, "first lock", l1.Done(), leasetest.WaitTimeout)
 		if !errors.Is(l1.Err(), lease.ErrLockLost) {
-			t.Errorf("first lock: %v, want ErrLockLost", l1.Err())
+			t.Errorf("first lock: %v, want lease.ErrLockLost", l1.Err())
 		}
-		if p := readKey(t, client, key); p.Session != s2.ID() || p.LockIndex != uint64(l2.Token()) || p.Flags != api.LockFlagValue {
+		if p := leasetest.ReadKey(t, client, key); p.Session != s2.ID() || p.LockIndex != uint64(l2.Token()) || p.Flags != api.LockFlagValue {
 			t.Errorf("key = %+v", p)
 		}
 	})
@@ -88,21 +90,21 @@ func TestCampaign(t *testing.T) {
 		t.Parallel()
 		tests := []struct {
 			name   string
-			change func(key string, s *lease.Session) error
+			change func(key string, s *consul.Session) error
 		}{
-			{"deleted", func(key string, _ *lease.Session) error {
+			{"deleted", func(key string, _ *consul.Session) error {
 				_, err := client.KV().Delete(key, nil)
 				return err
 			}},
-			{"plain PUT", func(key string, _ *lease.Session) error {
+			{"plain PUT", func(key string, _ *consul.Session) error {
 				_, err := client.KV().Put(&api.KVPair{Key: key, Value: []byte("x")}, nil)
 				return err
 			}},
-			{"released by someone else", func(key string, s *lease.Session) error {
+			{"released by someone else", func(key string, s *consul.Session) error {
 				_, _, err := client.KV().Release(&api.KVPair{Key: key, Session: s.ID()}, nil)
 				return err
 			}},
-			{"session destroyed by someone else", func(_ string, s *lease.Session) error {
+			{"session destroyed by someone else", func(_ string, s *consul.Session) error {
 				_, err := client.Session().Destroy(s.ID(), nil)
 				return err
 			}},
@@ -116,9 +118,9 @@ func TestCampaign(t *testing.T) {
 				if err := tt.change(key, s); err != nil {
 					t.Fatal(err)
 				}
-				waitClosed(t, "lock", l.Done(), waitTimeout)
+				leasetest.WaitClosed(t, "lock", l.Done(), leasetest.WaitTimeout)
 				if !errors.Is(l.Err(), lease.ErrLockLost) {
-					t.Errorf("Err = %v, want ErrLockLost", l.Err())
+					t.Errorf("Err = %v, want lease.ErrLockLost", l.Err())
 				}
 			})
 		}
@@ -129,14 +131,14 @@ func TestCampaign(t *testing.T) {
 		const key = "locks/release"
 		s1 := newSession(t, client)
 		l1 := acquire(t, s1, key)
-		if err := l1.Release(testCtx(t)); err != nil {
+		if err := l1.Release(leasetest.Ctx(t)); err != nil {
 			t.Fatal(err)
 		}
-		waitClosed(t, "released lock", l1.Done(), time.Second)
+		leasetest.WaitClosed(t, "released lock", l1.Done(), time.Second)
 		if !errors.Is(l1.Err(), lease.ErrReleased) {
 			t.Errorf("Err after Release = %v", l1.Err())
 		}
-		if p := readKey(t, client, key); p.Session != "" || p.LockIndex != uint64(l1.Token()) {
+		if p := leasetest.ReadKey(t, client, key); p.Session != "" || p.LockIndex != uint64(l1.Token()) {
 			t.Errorf("after release: %+v", p)
 		}
 		l2 := acquire(t, newSession(t, client), key)
@@ -148,7 +150,7 @@ func TestCampaign(t *testing.T) {
 	t.Run("lock-delay is honoured", func(t *testing.T) {
 		t.Parallel()
 		const key = "locks/delay"
-		s1 := newSession(t, client, lease.WithLockDelay(2*time.Second))
+		s1 := newSession(t, client, consul.WithLockDelay(2*time.Second))
 		acquire(t, s1, key)
 		start := time.Now()
 		if _, err := client.Session().Destroy(s1.ID(), nil); err != nil {
@@ -169,7 +171,7 @@ func TestCampaign(t *testing.T) {
 		ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
 		defer cancel()
 		start := time.Now()
-		_, err := lease.Acquire(ctx, newSession(t, client), key)
+		_, err := consul.Acquire(ctx, newSession(t, client), key)
 		if !errors.Is(err, context.DeadlineExceeded) || time.Since(start) > 5*time.Second {
 			t.Errorf("Acquire = %v after %v, want DeadlineExceeded after about 300ms", err, time.Since(start))
 		}
@@ -179,10 +181,10 @@ func TestCampaign(t *testing.T) {
 		t.Parallel()
 		const key = "locks/session-ends"
 		acquire(t, newSession(t, client), key)
-		s := newSession(t, client, lease.WithTTL(time.Second))
+		s := newSession(t, client, consul.WithTTL(time.Second))
 		errs := make(chan error, 1)
 		go func() {
-			_, err := lease.Acquire(testCtx(t), s, key)
+			_, err := consul.Acquire(leasetest.Ctx(t), s, key)
 			errs <- err
 		}()
 		time.Sleep(200 * time.Millisecond)
@@ -192,28 +194,28 @@ func TestCampaign(t *testing.T) {
 		select {
 		case err := <-errs:
 			if !errors.Is(err, lease.ErrSessionExpired) {
-				t.Errorf("Acquire = %v, want ErrSessionExpired", err)
+				t.Errorf("Acquire = %v, want lease.ErrSessionExpired", err)
 			}
-		case <-time.After(waitTimeout):
+		case <-time.After(leasetest.WaitTimeout):
 			t.Fatal("Acquire still waiting after its session ended")
 		}
 	})
 
 	t.Run("session invalidated by Consul", func(t *testing.T) {
 		t.Parallel()
-		s := newSession(t, client, lease.WithTTL(time.Second))
+		s := newSession(t, client, consul.WithTTL(time.Second))
 		if _, err := client.Session().Destroy(s.ID(), nil); err != nil {
 			t.Fatal(err)
 		}
-		waitClosed(t, "session", s.Done(), 5*time.Second)
+		leasetest.WaitClosed(t, "session", s.Done(), 5*time.Second)
 		if !errors.Is(s.Err(), lease.ErrSessionExpired) {
-			t.Errorf("Err = %v, want ErrSessionExpired", s.Err())
+			t.Errorf("Err = %v, want lease.ErrSessionExpired", s.Err())
 		}
 	})
 
 	t.Run("session survives many renewals", func(t *testing.T) {
 		t.Parallel()
-		s := newSession(t, client, lease.WithTTL(3*time.Second)) // renewed every 1.5 s
+		s := newSession(t, client, consul.WithTTL(3*time.Second)) // renewed every 1.5 s
 		select {
 		case <-s.Done():
 			t.Fatalf("session ended: %v", s.Err())
@@ -226,9 +228,9 @@ func TestCampaign(t *testing.T) {
 
 	t.Run("invalid options", func(t *testing.T) {
 		t.Parallel()
-		for _, opt := range []lease.SessionOption{lease.WithTTL(0), lease.WithLockDelay(-time.Second), lease.WithLockDelay(time.Hour)} {
-			if s, err := lease.NewSession(testCtx(t), client, opt); err == nil {
-				_ = s.Close(testCtx(t))
+		for _, opt := range []consul.SessionOption{consul.WithTTL(0), consul.WithLockDelay(-time.Second), consul.WithLockDelay(time.Hour)} {
+			if s, err := consul.NewSession(leasetest.Ctx(t), client, opt); err == nil {
+				_ = s.Close(leasetest.Ctx(t))
 				t.Error("NewSession accepted an invalid option")
 			}
 		}
@@ -260,11 +262,11 @@ func TestCampaignFrozenHolder(t *testing.T) {
 		_ = holder.Process.Kill()
 		_ = holder.Wait()
 	})
-	lines := lineReader(t, r)
+	lines := leasetest.LineReader(t, r)
 	var line string
 	select {
 	case line = <-lines:
-	case <-time.After(waitTimeout):
+	case <-time.After(leasetest.WaitTimeout):
 		t.Fatal("holder did not report its token")
 	}
 	var token int64
@@ -276,14 +278,14 @@ func TestCampaignFrozenHolder(t *testing.T) {
 		t.Fatalf("holder said %q", line)
 	}
 
-	contender := newSession(t, client, lease.WithTTL(10*time.Second), lease.WithLockDelay(0))
+	contender := newSession(t, client, consul.WithTTL(10*time.Second), consul.WithLockDelay(0))
 	frozen := time.Now()
 	if err := holder.Process.Signal(syscall.SIGSTOP); err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	l, err := lease.Acquire(ctx, contender, key)
+	l, err := consul.Acquire(ctx, contender, key)
 	if err != nil {
 		t.Fatalf("contender: %v", err)
 	}
@@ -309,7 +311,7 @@ func TestCampaignFrozenHolder(t *testing.T) {
 		if !strings.HasPrefix(line, "lost ") {
 			t.Errorf("holder said %q, want lost", line)
 		}
-	case <-time.After(waitTimeout):
+	case <-time.After(leasetest.WaitTimeout):
 		t.Error("thawed holder did not notice it lost the lock")
 	}
 }

@@ -1,4 +1,4 @@
-package lease_test
+package consul_test
 
 import (
 	"bytes"
@@ -13,6 +13,8 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/fenceproxy/fenceproxy/internal/lease"
+	"github.com/fenceproxy/fenceproxy/internal/lease/consul"
+	"github.com/fenceproxy/fenceproxy/internal/lease/leasetest"
 	"github.com/fenceproxy/fenceproxy/internal/testenv"
 )
 
@@ -21,11 +23,11 @@ func TestWatcherFollowsAcquisitions(t *testing.T) {
 	c := testenv.StartConsul(t)
 	client := c.Client(t)
 	const key = "locks/follow"
-	_, rec := watch(t, client, lease.WatcherConfig{Keys: []string{key}})
+	_, rec := leasetest.Watch(t, client, consul.WatcherConfig{Keys: []string{key}})
 
-	st := rec.waitFor(t, "synced, key missing", func(s lease.State) bool { return s.Known })
+	st := rec.WaitFor(t, "synced, key missing", func(s consul.State) bool { return s.Known })
 	if st.Exists || st.Held {
-		t.Fatalf("first state %s: want a missing key", describe(st))
+		t.Fatalf("first state %s: want a missing key", leasetest.Describe(st))
 	}
 	s := newSession(t, client)
 
@@ -33,23 +35,23 @@ func TestWatcherFollowsAcquisitions(t *testing.T) {
 	if l1.Token() != 1 {
 		t.Errorf("first token = %d, want 1", l1.Token())
 	}
-	st = rec.waitFor(t, "held with LockIndex 1", func(s lease.State) bool { return s.Held })
+	st = rec.WaitFor(t, "held with LockIndex 1", func(s consul.State) bool { return s.Held })
 	if st.LockIndex != 1 || st.Session != s.ID() || st.Highest != 1 || st.Regression != nil {
-		t.Errorf("after acquire: %s", describe(st))
+		t.Errorf("after acquire: %s", leasetest.Describe(st))
 	}
 	if tok, err := st.Token(); err != nil || tok != 1 {
 		t.Errorf("Token() = %d, %v; want 1", tok, err)
 	}
 
-	if err := l1.Release(testCtx(t)); err != nil {
+	if err := l1.Release(leasetest.Ctx(t)); err != nil {
 		t.Fatal(err)
 	}
-	st = rec.waitFor(t, "released", func(s lease.State) bool { return !s.Held })
+	st = rec.WaitFor(t, "released", func(s consul.State) bool { return !s.Held })
 	if st.LockIndex != 1 || st.Session != "" {
-		t.Errorf("after release: %s", describe(st))
+		t.Errorf("after release: %s", leasetest.Describe(st))
 	}
 	if _, err := st.Token(); !errors.Is(err, lease.ErrNotHeld) {
-		t.Errorf("Token() of a free lock: %v, want ErrNotHeld", err)
+		t.Errorf("Token() of a free lock: %v, want lease.ErrNotHeld", err)
 	}
 
 	// The same session acquiring again still counts as a new acquisition.
@@ -57,9 +59,9 @@ func TestWatcherFollowsAcquisitions(t *testing.T) {
 	if l2.Token() != 2 {
 		t.Errorf("re-acquired token = %d, want 2", l2.Token())
 	}
-	st = rec.waitFor(t, "held with LockIndex 2", func(s lease.State) bool { return s.Held })
+	st = rec.WaitFor(t, "held with LockIndex 2", func(s consul.State) bool { return s.Held })
 	if st.LockIndex != 2 || st.Highest != 2 || st.Regression != nil {
-		t.Errorf("after re-acquire: %s", describe(st))
+		t.Errorf("after re-acquire: %s", leasetest.Describe(st))
 	}
 }
 
@@ -72,21 +74,21 @@ func TestValidate(t *testing.T) {
 		freeKey = "locks/validate-free" // released, LockIndex 1
 		noKey   = "locks/validate-missing"
 	)
-	w, _ := watch(t, client, lease.WatcherConfig{Keys: []string{heldKey, freeKey, noKey}})
+	w, _ := leasetest.Watch(t, client, consul.WatcherConfig{Keys: []string{heldKey, freeKey, noKey}})
 	holder := newSession(t, client)
 	other := newSession(t, client)
 	l := acquire(t, holder, heldKey)
-	if err := l.Release(testCtx(t)); err != nil {
+	if err := l.Release(leasetest.Ctx(t)); err != nil {
 		t.Fatal(err)
 	}
 	acquire(t, holder, heldKey)
-	if err := acquire(t, holder, freeKey).Release(testCtx(t)); err != nil {
+	if err := acquire(t, holder, freeKey).Release(leasetest.Ctx(t)); err != nil {
 		t.Fatal(err)
 	}
 	// Let the watcher see all of it, so that its Validate has the history.
-	waitState(t, w, heldKey, func(s lease.State) bool { return s.Known && s.LockIndex == 2 && s.Held })
-	waitState(t, w, freeKey, func(s lease.State) bool { return s.Known && s.LockIndex == 1 && !s.Held })
-	waitState(t, w, noKey, func(s lease.State) bool { return s.Known })
+	waitState(t, w, heldKey, func(s consul.State) bool { return s.Known && s.LockIndex == 2 && s.Held })
+	waitState(t, w, freeKey, func(s consul.State) bool { return s.Known && s.LockIndex == 1 && !s.Held })
+	waitState(t, w, noKey, func(s consul.State) bool { return s.Known })
 
 	down, err := api.NewClient(&api.Config{Address: "127.0.0.1:" + itoa(testenv.FreePort(t))})
 	if err != nil {
@@ -118,7 +120,7 @@ func TestValidate(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 			defer cancel()
-			st, err := lease.Validate(ctx, tt.client, tt.key, tt.token, tt.session)
+			st, err := consul.Validate(ctx, tt.client, tt.key, tt.token, tt.session)
 			check := func(fn string, err error) {
 				t.Helper()
 				if tt.want == nil {
@@ -130,14 +132,14 @@ func TestValidate(t *testing.T) {
 				if !errors.Is(err, tt.want) {
 					t.Errorf("%s: %v, want %v", fn, err, tt.want)
 				}
-				var te *lease.TokenError
+				var te *consul.TokenError
 				if !errors.As(err, &te) || te.Key != tt.key || te.Token != tt.token {
 					t.Errorf("%s: %#v, want a *TokenError for %s/%d", fn, err, tt.key, tt.token)
 				}
 			}
 			check("Validate", err)
 			if tt.want != lease.ErrUnavailable && !st.Known {
-				t.Errorf("Validate state not known: %s", describe(st))
+				t.Errorf("Validate state not known: %s", leasetest.Describe(st))
 			}
 			if tt.client == client {
 				_, err = w.Validate(ctx, tt.key, tt.token, tt.session)
@@ -147,7 +149,7 @@ func TestValidate(t *testing.T) {
 	}
 
 	t.Run("unwatched key", func(t *testing.T) {
-		if _, err := w.Validate(testCtx(t), "locks/other", 1, ""); err == nil {
+		if _, err := w.Validate(leasetest.Ctx(t), "locks/other", 1, ""); err == nil {
 			t.Error("Watcher.Validate of an unwatched key: nil error")
 		}
 	})
@@ -162,12 +164,12 @@ func TestWatcherRegression(t *testing.T) {
 
 	tests := []struct {
 		name    string
-		regress func(t *testing.T, key string, holder *lease.Session)
+		regress func(t *testing.T, key string, holder *consul.Session)
 		want    string // in the reason
 	}{
 		{
 			name: "key deleted and acquired again",
-			regress: func(t *testing.T, key string, holder *lease.Session) {
+			regress: func(t *testing.T, key string, holder *consul.Session) {
 				if _, err := client.KV().Delete(key, nil); err != nil {
 					t.Fatal(err)
 				}
@@ -177,7 +179,7 @@ func TestWatcherRegression(t *testing.T) {
 		},
 		{
 			name: "plain PUT on the held key",
-			regress: func(t *testing.T, key string, holder *lease.Session) {
+			regress: func(t *testing.T, key string, holder *consul.Session) {
 				// No ?acquire: Consul resets LockIndex to 0 and keeps the holder.
 				if _, err := client.KV().Put(&api.KVPair{Key: key, Value: []byte("oops")}, nil); err != nil {
 					t.Fatal(err)
@@ -190,20 +192,20 @@ func TestWatcherRegression(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
 			key := "locks/regress-" + itoa(len(tt.name))
-			w, rec := watch(t, client, lease.WatcherConfig{Keys: []string{key}})
-			rec.waitFor(t, "synced", func(s lease.State) bool { return s.Known })
+			w, rec := leasetest.Watch(t, client, consul.WatcherConfig{Keys: []string{key}})
+			rec.WaitFor(t, "synced", func(s consul.State) bool { return s.Known })
 			holder := newSession(t, client)
-			if err := acquire(t, holder, key).Release(testCtx(t)); err != nil {
+			if err := acquire(t, holder, key).Release(leasetest.Ctx(t)); err != nil {
 				t.Fatal(err)
 			}
 			acquire(t, holder, key)
-			rec.waitFor(t, "LockIndex 2", func(s lease.State) bool { return s.Held && s.LockIndex == 2 })
+			rec.WaitFor(t, "LockIndex 2", func(s consul.State) bool { return s.Held && s.LockIndex == 2 })
 
 			tt.regress(t, key, holder)
-			st := rec.waitFor(t, "regression", func(s lease.State) bool { return s.Regression != nil })
+			st := rec.WaitFor(t, "regression", func(s consul.State) bool { return s.Regression != nil })
 			re := st.Regression
 			if !errors.Is(re, lease.ErrRegression) || !errors.Is(re, lease.ErrUnavailable) {
-				t.Errorf("regression %v: want ErrRegression and ErrUnavailable", re)
+				t.Errorf("regression %v: want lease.ErrRegression and lease.ErrUnavailable", re)
 			}
 			if !bytes.Contains([]byte(re.Reason), []byte(tt.want)) || re.Highest != 2 || re.Key != key {
 				t.Errorf("regression = %+v, want reason with %q, highest 2", re, tt.want)
@@ -212,7 +214,7 @@ func TestWatcherRegression(t *testing.T) {
 			if _, err := st.Token(); !errors.Is(err, lease.ErrRegression) {
 				t.Errorf("Token() after regression: %v", err)
 			}
-			if _, err := w.Validate(testCtx(t), key, int64(st.LockIndex), ""); !errors.Is(err, lease.ErrRegression) {
+			if _, err := w.Validate(leasetest.Ctx(t), key, int64(st.LockIndex), ""); !errors.Is(err, lease.ErrRegression) {
 				t.Errorf("Watcher.Validate after regression: %v", err)
 			}
 
@@ -222,20 +224,20 @@ func TestWatcherRegression(t *testing.T) {
 				t.Fatal(err)
 			}
 			l := acquire(t, other, key)
-			st = rec.waitFor(t, "new holder", func(s lease.State) bool { return s.Session == other.ID() })
+			st = rec.WaitFor(t, "new holder", func(s consul.State) bool { return s.Session == other.ID() })
 			if st.Regression != re {
-				t.Errorf("regression not sticky: %s", describe(st))
+				t.Errorf("regression not sticky: %s", leasetest.Describe(st))
 			}
 
 			// The operator's way out.
 			if err := w.Reset(key); err != nil {
 				t.Fatal(err)
 			}
-			st = rec.waitFor(t, "reset", func(s lease.State) bool { return s.Regression == nil })
+			st = rec.WaitFor(t, "reset", func(s consul.State) bool { return s.Regression == nil })
 			if st.Highest != uint64(l.Token()) {
-				t.Errorf("after Reset: %s, want highest %d", describe(st), l.Token())
+				t.Errorf("after Reset: %s, want highest %d", leasetest.Describe(st), l.Token())
 			}
-			if _, err := w.Validate(testCtx(t), key, l.Token(), other.ID()); err != nil {
+			if _, err := w.Validate(leasetest.Ctx(t), key, l.Token(), other.ID()); err != nil {
 				t.Errorf("Validate after Reset: %v", err)
 			}
 		})
@@ -247,15 +249,15 @@ func TestWatcherRegression(t *testing.T) {
 		if _, err := client.KV().Put(&api.KVPair{Key: key, Value: []byte("a")}, nil); err != nil {
 			t.Fatal(err)
 		}
-		_, rec := watch(t, client, lease.WatcherConfig{Keys: []string{key}})
-		rec.waitFor(t, "synced", func(s lease.State) bool { return s.Known && s.Exists })
+		_, rec := leasetest.Watch(t, client, consul.WatcherConfig{Keys: []string{key}})
+		rec.WaitFor(t, "synced", func(s consul.State) bool { return s.Known && s.Exists })
 		if _, err := client.KV().Delete(key, nil); err != nil {
 			t.Fatal(err)
 		}
 		acquire(t, newSession(t, client), key)
-		st := rec.waitFor(t, "held", func(s lease.State) bool { return s.Held })
+		st := rec.WaitFor(t, "held", func(s consul.State) bool { return s.Held })
 		if st.Regression != nil || st.LockIndex != 1 {
-			t.Errorf("want LockIndex 1 and no regression: %s", describe(st))
+			t.Errorf("want LockIndex 1 and no regression: %s", leasetest.Describe(st))
 		}
 	})
 }
@@ -266,27 +268,27 @@ func TestWatcherSnapshotRestore(t *testing.T) {
 	client := c.Client(t)
 	const key = "locks/snapshot"
 	core, logs := observer.New(zap.WarnLevel)
-	_, rec := watch(t, client, lease.WatcherConfig{Keys: []string{key}, Logger: zap.New(core)})
-	rec.waitFor(t, "synced", func(s lease.State) bool { return s.Known })
+	_, rec := leasetest.Watch(t, client, consul.WatcherConfig{Keys: []string{key}, Logger: zap.New(core)})
+	rec.WaitFor(t, "synced", func(s consul.State) bool { return s.Known })
 
 	s := newSession(t, client)
 	l := acquire(t, s, key)
-	rec.waitFor(t, "LockIndex 1", func(s lease.State) bool { return s.LockIndex == 1 })
+	rec.WaitFor(t, "LockIndex 1", func(s consul.State) bool { return s.LockIndex == 1 })
 	data := saveSnapshot(t, client)
 	for range 2 {
-		if err := l.Release(testCtx(t)); err != nil {
+		if err := l.Release(leasetest.Ctx(t)); err != nil {
 			t.Fatal(err)
 		}
 		l = acquire(t, s, key)
 	}
-	rec.waitFor(t, "LockIndex 3", func(s lease.State) bool { return s.LockIndex == 3 })
+	rec.WaitFor(t, "LockIndex 3", func(s consul.State) bool { return s.LockIndex == 3 })
 
 	if err := client.Snapshot().Restore(nil, bytes.NewReader(data)); err != nil {
 		t.Fatal(err)
 	}
-	st := rec.waitFor(t, "regression", func(s lease.State) bool { return s.Regression != nil })
+	st := rec.WaitFor(t, "regression", func(s consul.State) bool { return s.Regression != nil })
 	if st.LockIndex != 1 || st.Regression.Highest != 3 {
-		t.Errorf("after restore: %s", describe(st))
+		t.Errorf("after restore: %s", leasetest.Describe(st))
 	}
 	t.Logf("reported: %v", st.Regression)
 	// A monitor query that was waiting during the restore wakes at once; one that
@@ -310,10 +312,10 @@ func TestWatcherConsulRestart(t *testing.T) {
 	c := testenv.StartConsul(t)
 	client := c.Client(t)
 	const key = "locks/restart"
-	w, rec := watch(t, client, lease.WatcherConfig{Keys: []string{key}, RetryMax: 200 * time.Millisecond})
-	s := newSession(t, client, lease.WithTTL(20*time.Second))
+	w, rec := leasetest.Watch(t, client, consul.WatcherConfig{Keys: []string{key}, RetryMax: 200 * time.Millisecond})
+	s := newSession(t, client, consul.WithTTL(20*time.Second))
 	l := acquire(t, s, key)
-	rec.waitFor(t, "held", func(s lease.State) bool { return s.Held })
+	rec.WaitFor(t, "held", func(s consul.State) bool { return s.Held })
 
 	// Load: validations of the current token, back to back, through the whole outage.
 	var admitted, unavailable, other atomic.Int64
@@ -343,24 +345,24 @@ func TestWatcherConsulRestart(t *testing.T) {
 
 	stopped := time.Now()
 	c.Stop(t)
-	st := rec.waitFor(t, "unknown", func(s lease.State) bool { return !s.Known })
+	st := rec.WaitFor(t, "unknown", func(s consul.State) bool { return !s.Known })
 	t.Logf("state unknown %v after Consul stopped: %v", time.Since(stopped).Round(time.Millisecond), st.Err)
 	if _, err := st.Token(); !errors.Is(err, lease.ErrUnavailable) {
 		t.Errorf("Token() while Consul is down: %v", err)
 	}
-	if _, err := w.Validate(testCtx(t), key, l.Token(), ""); !errors.Is(err, lease.ErrUnavailable) {
+	if _, err := w.Validate(leasetest.Ctx(t), key, l.Token(), ""); !errors.Is(err, lease.ErrUnavailable) {
 		t.Errorf("Validate while Consul is down: %v", err)
 	}
 	time.Sleep(500 * time.Millisecond)
 
 	restarted := time.Now()
 	c.Start(t)
-	st = rec.waitFor(t, "known again", func(s lease.State) bool { return s.Known })
+	st = rec.WaitFor(t, "known again", func(s consul.State) bool { return s.Known })
 	t.Logf("resynchronised %v after Start returned", time.Since(restarted).Round(time.Millisecond))
 	if !st.Held || st.LockIndex != uint64(l.Token()) || st.Session != s.ID() || st.Regression != nil {
-		t.Errorf("after restart: %s", describe(st))
+		t.Errorf("after restart: %s", leasetest.Describe(st))
 	}
-	if _, err := w.Validate(testCtx(t), key, l.Token(), s.ID()); err != nil {
+	if _, err := w.Validate(leasetest.Ctx(t), key, l.Token(), s.ID()); err != nil {
 		t.Errorf("Validate after restart: %v", err)
 	}
 	time.Sleep(200 * time.Millisecond)
@@ -387,21 +389,21 @@ func TestWatcherConsulHung(t *testing.T) {
 	c := testenv.StartConsul(t)
 	client := c.Client(t)
 	const key = "locks/hung"
-	_, rec := watch(t, client, lease.WatcherConfig{Keys: []string{key}, WaitTime: time.Second})
-	acquire(t, newSession(t, client, lease.WithTTL(30*time.Second)), key)
-	rec.waitFor(t, "held", func(s lease.State) bool { return s.Held })
+	_, rec := leasetest.Watch(t, client, consul.WatcherConfig{Keys: []string{key}, WaitTime: time.Second})
+	acquire(t, newSession(t, client, consul.WithTTL(30*time.Second)), key)
+	rec.WaitFor(t, "held", func(s consul.State) bool { return s.Held })
 
 	paused := time.Now()
 	c.Pause(t)
-	st := rec.waitFor(t, "unknown", func(s lease.State) bool { return !s.Known })
+	st := rec.WaitFor(t, "unknown", func(s consul.State) bool { return !s.Known })
 	t.Logf("hung Consul noticed after %v (WaitTime 1s): %v", time.Since(paused).Round(time.Millisecond), st.Err)
 	if time.Since(paused) > 5*time.Second {
 		t.Errorf("took %v, want about WaitTime + 1/16 + 1 s", time.Since(paused))
 	}
 	c.Resume(t)
-	st = rec.waitFor(t, "known again", func(s lease.State) bool { return s.Known })
+	st = rec.WaitFor(t, "known again", func(s consul.State) bool { return s.Known })
 	if !st.Held || st.Regression != nil {
-		t.Errorf("after resume: %s", describe(st))
+		t.Errorf("after resume: %s", leasetest.Describe(st))
 	}
 }
 
@@ -414,11 +416,11 @@ func TestWatcherValidateReadsWhileTheWatchWaits(t *testing.T) {
 	c := testenv.StartConsul(t)
 	client := c.Client(t)
 	const key = "locks/waits"
-	w, rec := watch(t, client, lease.WatcherConfig{Keys: []string{key}, WaitTime: time.Second, RetryMin: time.Minute, RetryMax: time.Minute})
-	l := acquire(t, newSession(t, client, lease.WithTTL(30*time.Second)), key)
-	rec.waitFor(t, "held", func(s lease.State) bool { return s.Held })
+	w, rec := leasetest.Watch(t, client, consul.WatcherConfig{Keys: []string{key}, WaitTime: time.Second, RetryMin: time.Minute, RetryMax: time.Minute})
+	l := acquire(t, newSession(t, client, consul.WithTTL(30*time.Second)), key)
+	rec.WaitFor(t, "held", func(s consul.State) bool { return s.Held })
 	c.Pause(t)
-	rec.waitFor(t, "unknown", func(s lease.State) bool { return !s.Known })
+	rec.WaitFor(t, "unknown", func(s consul.State) bool { return !s.Known })
 	c.Resume(t) // the watch retries in a minute
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()

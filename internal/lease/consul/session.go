@@ -1,4 +1,4 @@
-package lease
+package consul
 
 import (
 	"context"
@@ -10,13 +10,12 @@ import (
 
 	"github.com/hashicorp/consul/api"
 	"go.uber.org/zap"
+
+	"github.com/fenceproxy/fenceproxy/internal/lease"
 )
 
 // Session defaults.
 const (
-	// DefaultTTL is Consul's minimum session TTL. Consul invalidates a silent session
-	// between TTL and 2 x TTL after its last renewal.
-	DefaultTTL = 10 * time.Second
 	// DefaultLockDelay is 0, not Consul's 15 s: see the package documentation.
 	DefaultLockDelay = 0 * time.Second
 )
@@ -29,10 +28,10 @@ type sessionConfig struct {
 	lockDelay time.Duration
 	name      string
 	log       *zap.Logger
-	now       Clock
+	now       lease.Clock
 }
 
-// WithTTL sets the session TTL (default DefaultTTL; Consul accepts 10 s to 24 h unless its
+// WithTTL sets the session TTL (default lease.DefaultTTL; Consul accepts 10 s to 24 h unless its
 // session_ttl_min says otherwise). The session is renewed every TTL/2.
 func WithTTL(ttl time.Duration) SessionOption { return func(c *sessionConfig) { c.ttl = ttl } }
 
@@ -49,8 +48,8 @@ func WithName(name string) SessionOption { return func(c *sessionConfig) { c.nam
 // WithLogger sets the logger for renewal failures and the session's end. Default: none.
 func WithLogger(l *zap.Logger) SessionOption { return func(c *sessionConfig) { c.log = l } }
 
-// WithClock sets the clock the keep-alive reads (see Clock). Default, and nil: time.Now.
-func WithClock(now Clock) SessionOption { return func(c *sessionConfig) { c.now = now } }
+// WithClock sets the clock the keep-alive reads (see lease.Clock). Default, and nil: time.Now.
+func WithClock(now lease.Clock) SessionOption { return func(c *sessionConfig) { c.now = now } }
 
 // Session is a Consul session kept alive by renewing it every TTL/2. Locks are held by a
 // session: when it ends, they are released (behavior "release", so that the keys and
@@ -60,7 +59,7 @@ type Session struct {
 	id     string
 	ttl    time.Duration
 	log    *zap.Logger
-	now    Clock
+	now    lease.Clock
 
 	done    chan struct{}
 	cancel  context.CancelFunc // stops the keep-alive
@@ -74,7 +73,7 @@ type Session struct {
 // which releases its locks. A session that must outlive a request takes
 // context.WithoutCancel(ctx), and ends with Close.
 func NewSession(ctx context.Context, client *api.Client, opts ...SessionOption) (*Session, error) {
-	cfg := sessionConfig{ttl: DefaultTTL, lockDelay: DefaultLockDelay, name: "fenceproxy"}
+	cfg := sessionConfig{ttl: lease.DefaultTTL, lockDelay: DefaultLockDelay, name: "fenceproxy"}
 	for _, o := range opts {
 		o(&cfg)
 	}
@@ -124,7 +123,7 @@ func (s *Session) TTL() time.Duration { return s.ttl }
 // its TTL, its ctx ended, or Close. Err says which.
 func (s *Session) Done() <-chan struct{} { return s.done }
 
-// Err is nil while the session lives; after Done it is ErrSessionExpired (wrapped with the
+// Err is nil while the session lives; after Done it is lease.ErrSessionExpired (wrapped with the
 // cause) or the ctx's error or context.Canceled after Close.
 func (s *Session) Err() error {
 	s.mu.Lock()
@@ -197,11 +196,11 @@ func (s *Session) keepAlive(ctx context.Context) {
 		case ctx.Err() != nil:
 			wait = 0 // handled at the top of the loop
 		case err == nil && entry == nil:
-			s.end(fmt.Errorf("%w: session %s was invalidated by Consul", ErrSessionExpired, s.id))
+			s.end(fmt.Errorf("%w: session %s was invalidated by Consul", lease.ErrSessionExpired, s.id))
 			s.log.Warn("consul session invalidated", zap.String("session", s.id))
 			return
 		case err != nil && !s.now().Before(deadline):
-			s.end(fmt.Errorf("%w: session %s not renewed for %v: %w", ErrSessionExpired, s.id, ttl, err))
+			s.end(fmt.Errorf("%w: session %s not renewed for %v: %w", lease.ErrSessionExpired, s.id, ttl, err))
 			s.log.Warn("consul session lost: not renewed within its TTL", zap.String("session", s.id), zap.Error(err))
 			return
 		case err != nil:

@@ -1,4 +1,4 @@
-package lease_test
+package pglease_test
 
 import (
 	"bufio"
@@ -20,29 +20,19 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/fenceproxy/fenceproxy/internal/lease"
+	"github.com/fenceproxy/fenceproxy/internal/lease/leasetest"
+	"github.com/fenceproxy/fenceproxy/internal/lease/pglease"
 	"github.com/fenceproxy/fenceproxy/internal/proxy"
 	"github.com/fenceproxy/fenceproxy/internal/testenv"
 )
 
 // leaseDB is a test cluster with the fence schema (version 5) in database postgres.
-func leaseDB(t *testing.T) (*testenv.Postgres, string) {
-	t.Helper()
-	pg := testenv.StartPostgres(t)
-	url := pg.AdminURL()
-	testenv.Migrate(t, url)
-	return pg, url
-}
 
-func campaign(t *testing.T, s *lease.PostgresStore, resource string) lease.Lease {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
-	defer cancel()
-	l, err := s.Campaign(ctx, resource)
-	if err != nil {
-		t.Fatalf("Campaign(%q) as %q: %v", resource, s.Holder, err)
-	}
-	t.Cleanup(func() { _ = l.Release(context.Background()) })
-	return l
+// TestMain doubles as the holder process of the freeze tests (leasetest.StartHolder).
+func TestMain(m *testing.M) {
+	leasetest.Main(m, map[string]func() int{
+		"LEASE_TEST_PG_HOLDER": runPGHolder,
+	})
 }
 
 // leaseRow is resource's row of fence.leases.
@@ -76,7 +66,7 @@ func storedToken(t *testing.T, conn *pgx.Conn, resource string) int64 {
 
 func TestPostgresLease(t *testing.T) {
 	t.Parallel()
-	_, url := leaseDB(t)
+	_, url := leasetest.LeaseDB(t)
 	conn := testenv.Connect(t, url)
 	var connMu sync.Mutex // one pgx.Conn, parallel subtests
 	row := func(t *testing.T, resource string) leaseRow {
@@ -89,14 +79,14 @@ func TestPostgresLease(t *testing.T) {
 		defer connMu.Unlock()
 		return storedToken(t, conn, resource)
 	}
-	store := func(holder string, ttl time.Duration) *lease.PostgresStore {
-		return &lease.PostgresStore{URL: url, TTL: ttl, Holder: holder}
+	store := func(holder string, ttl time.Duration) *pglease.Store {
+		return &pglease.Store{URL: url, TTL: ttl, Holder: holder}
 	}
 
 	t.Run("acquire, renew past the TTL, release", func(t *testing.T) {
 		t.Parallel()
 		s := store("a", time.Second)
-		l := campaign(t, s, "renew")
+		l := leasetest.Campaign(t, s, "renew")
 		if l.Token() != 1 || l.Store() != lease.StorePostgres || l.Key() != "fence.leases/renew" || l.Holder() != "a" {
 			t.Fatalf("lease: token %d store %q key %q holder %q; want 1, postgres, fence.leases/renew, a",
 				l.Token(), l.Store(), l.Key(), l.Holder())
@@ -119,7 +109,7 @@ func TestPostgresLease(t *testing.T) {
 		if !errors.Is(l.Err(), lease.ErrReleased) {
 			t.Errorf("Err after Release = %v, want ErrReleased", l.Err())
 		}
-		waitClosed(t, "Done after Release", l.Done(), time.Second)
+		leasetest.WaitClosed(t, "Done after Release", l.Done(), time.Second)
 		if r := row(t, "renew"); r.live || r.holder != nil || r.generation != 1 {
 			t.Errorf("lease row after release: %+v, want free with generation 1", r)
 		}
@@ -129,8 +119,8 @@ func TestPostgresLease(t *testing.T) {
 		t.Parallel()
 		a, b := store("a", 5*time.Second), store("b", 5*time.Second)
 		var tokens []int64
-		for _, s := range []*lease.PostgresStore{a, b, a, a, b} {
-			l := campaign(t, s, "takeover")
+		for _, s := range []*pglease.Store{a, b, a, a, b} {
+			l := leasetest.Campaign(t, s, "takeover")
 			tokens = append(tokens, l.Token())
 			if got := stored(t, "takeover"); got != l.Token() {
 				t.Errorf("stored token %d, want the new generation %d", got, l.Token())
@@ -156,7 +146,7 @@ func TestPostgresLease(t *testing.T) {
 			t.Fatal(err)
 		}
 		started := time.Now()
-		l := campaign(t, store("b", 2*time.Second), "expiry")
+		l := leasetest.Campaign(t, store("b", 2*time.Second), "expiry")
 		t.Logf("contender acquired %v after the silent holder's 1 s lease started", time.Since(started).Round(time.Millisecond))
 		if l.Token() != 2 {
 			t.Errorf("contender's generation %d, want 2", l.Token())
@@ -182,7 +172,7 @@ func TestPostgresLease(t *testing.T) {
 
 	t.Run("a refused renewal ends the lease", func(t *testing.T) {
 		t.Parallel()
-		l := campaign(t, store("a", 3*time.Second), "refused")
+		l := leasetest.Campaign(t, store("a", 3*time.Second), "refused")
 		// Another process takes over (a holder name is no secret: see migration 5).
 		connMu.Lock()
 		_, err := conn.Exec(context.Background(), "SELECT fence.lease_release('refused', 'a', 1)")
@@ -193,7 +183,7 @@ func TestPostgresLease(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		waitClosed(t, "Done after a takeover", l.Done(), 2*time.Second) // the next renewal is due within TTL/3
+		leasetest.WaitClosed(t, "Done after a takeover", l.Done(), 2*time.Second) // the next renewal is due within TTL/3
 		if err := l.Err(); !errors.Is(err, lease.ErrLockLost) || !strings.Contains(err.Error(), "taken over by b with generation 2") {
 			t.Errorf("Err = %v, want ErrLockLost saying who took over", err)
 		}
@@ -241,7 +231,7 @@ func TestPostgresLease(t *testing.T) {
 
 	t.Run("arguments that retrying cannot fix are returned", func(t *testing.T) {
 		t.Parallel()
-		ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
+		ctx, cancel := context.WithTimeout(context.Background(), leasetest.WaitTimeout)
 		defer cancel()
 		if _, err := store("a", time.Second).Campaign(ctx, "Bad"); !errors.Is(err, lease.ErrRefused) || !strings.Contains(err.Error(), "ZF004") {
 			t.Errorf("Campaign of a malformed resource: %v, want ErrRefused with ZF004", err)
@@ -268,11 +258,11 @@ func TestPostgresLease(t *testing.T) {
 		t.Parallel()
 		// The lease is what gives a token, so a session through the proxy has none to
 		// show (ZF003): a review saw the store retry that forever.
-		pg, _ := leaseDB(t)
+		pg, _ := leasetest.LeaseDB(t)
 		px := testenv.StartProxy(t, pg, proxy.Config{Resources: []string{"billing"}})
-		ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
+		ctx, cancel := context.WithTimeout(context.Background(), leasetest.WaitTimeout)
 		defer cancel()
-		s := &lease.PostgresStore{URL: px.URL("postgres", "postgres"), TTL: time.Second, Holder: "a"}
+		s := &pglease.Store{URL: px.URL("postgres", "postgres"), TTL: time.Second, Holder: "a"}
 		if _, err := s.Campaign(ctx, "billing"); !errors.Is(err, lease.ErrRefused) || !strings.Contains(err.Error(), "directly") {
 			t.Errorf("Campaign through the proxy: %v, want ErrRefused saying to reach PostgreSQL directly", err)
 		}
@@ -284,7 +274,7 @@ func TestPostgresLease(t *testing.T) {
 // generations of the winners are 1, 2, 3...
 func TestPostgresLeaseRace(t *testing.T) {
 	t.Parallel()
-	_, url := leaseDB(t)
+	_, url := leasetest.LeaseDB(t)
 	const contenders, rounds = 8, 25
 	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
@@ -346,11 +336,11 @@ func TestPostgresLeaseRace(t *testing.T) {
 // database is back, Release frees the row.
 func TestPostgresLeaseDatabaseDown(t *testing.T) {
 	t.Parallel()
-	pg, url := leaseDB(t)
-	l := campaign(t, &lease.PostgresStore{URL: url, TTL: 2 * time.Second, Holder: "a"}, "down")
+	pg, url := leasetest.LeaseDB(t)
+	l := leasetest.Campaign(t, &pglease.Store{URL: url, TTL: 2 * time.Second, Holder: "a"}, "down")
 	pg.Stop(t)
 	stopped := time.Now()
-	waitClosed(t, "Done with the database down", l.Done(), 4*time.Second)
+	leasetest.WaitClosed(t, "Done with the database down", l.Done(), 4*time.Second)
 	t.Logf("lease lost %v after the database stopped (TTL 2s)", time.Since(stopped).Round(time.Millisecond))
 	if time.Since(stopped) > 2*time.Second+500*time.Millisecond {
 		t.Errorf("lost after %v: more than the TTL after the last renewal", time.Since(stopped))
@@ -379,7 +369,7 @@ func TestPostgresLeaseDatabaseDown(t *testing.T) {
 func runPGHolder() int {
 	ctx := context.Background()
 	resource := os.Getenv("LEASE_TEST_RESOURCE")
-	s := &lease.PostgresStore{URL: os.Getenv("LEASE_TEST_PG"), TTL: 2 * time.Second, Holder: "frozen"}
+	s := &pglease.Store{URL: os.Getenv("LEASE_TEST_PG"), TTL: 2 * time.Second, Holder: "frozen"}
 	l, err := s.Campaign(ctx, resource)
 	if err != nil {
 		fmt.Println("error", err)
@@ -429,13 +419,13 @@ func runPGHolder() int {
 // learns that its lease is lost and its commit is refused with ZF001.
 func TestPostgresLeaseFrozenHolder(t *testing.T) {
 	t.Parallel()
-	pg, url := leaseDB(t)
+	pg, url := leasetest.LeaseDB(t)
 	pg.Exec(t, "CREATE TABLE writes (token bigint NOT NULL)")
 	const resource = "frozen"
 	px := testenv.StartProxy(t, pg, proxy.Config{Resources: []string{resource}, ControlDatabase: url})
 	conn := testenv.Connect(t, url)
 
-	holder, stdin, next := startHolder(t, "LEASE_TEST_PG_HOLDER=1", "LEASE_TEST_PG="+url,
+	holder, stdin, next := leasetest.StartHolder(t, "LEASE_TEST_PG_HOLDER=1", "LEASE_TEST_PG="+url,
 		"LEASE_TEST_PROXY="+px.URL(testenv.AdminUser, "postgres"), "LEASE_TEST_RESOURCE="+resource)
 	token, err := strconv.ParseInt(strings.TrimPrefix(next("token "), "token "), 10, 64)
 	if err != nil {
@@ -447,7 +437,7 @@ func TestPostgresLeaseFrozenHolder(t *testing.T) {
 		t.Fatal(err)
 	}
 	frozen := time.Now()
-	contender := campaign(t, &lease.PostgresStore{URL: url, TTL: 2 * time.Second, Holder: "contender"}, resource)
+	contender := leasetest.Campaign(t, &pglease.Store{URL: url, TTL: 2 * time.Second, Holder: "contender"}, resource)
 	t.Logf("holder frozen -> new holder after %v (TTL 2s)", time.Since(frozen).Round(time.Millisecond))
 	if contender.Token() != token+1 {
 		t.Errorf("generations %d then %d, want consecutive", token, contender.Token())

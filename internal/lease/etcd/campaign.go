@@ -1,4 +1,7 @@
-package lease
+// Package etcd is etcd as a lock service: campaigning through etcd's election recipe (Store,
+// the token the leader key's CreateRevision) and the Authority the proxy asks (the election's
+// leader, read linearizably, and a watch of its prefix).
+package etcd
 
 import (
 	"context"
@@ -13,10 +16,12 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.etcd.io/etcd/client/v3/concurrency"
 	"go.uber.org/zap"
+
+	"github.com/fenceproxy/fenceproxy/internal/lease"
 )
 
-// EtcdConfig says how to reach etcd's v3 API.
-type EtcdConfig struct {
+// Config says how to reach etcd's v3 API.
+type Config struct {
 	// Endpoints are client URLs (http://host:2379, https://host:2379) or host:port.
 	Endpoints []string
 	// Username and Password, when etcd's authentication is on. The role needs read and
@@ -29,9 +34,9 @@ type EtcdConfig struct {
 	Logger *zap.Logger
 }
 
-// NewEtcdClient returns an etcd v3 client for c. It does not wait for a connection: the
+// NewClient returns an etcd v3 client for c. It does not wait for a connection: the
 // first request does, until its ctx ends.
-func NewEtcdClient(c EtcdConfig) (*clientv3.Client, error) {
+func NewClient(c Config) (*clientv3.Client, error) {
 	if len(c.Endpoints) == 0 {
 		return nil, errors.New("lease: etcd: no endpoints")
 	}
@@ -54,7 +59,7 @@ func NewEtcdClient(c EtcdConfig) (*clientv3.Client, error) {
 	return cli, nil
 }
 
-// EtcdStore grants leases through etcd's election recipe (client/v3/concurrency): a
+// Store grants leases through etcd's election recipe (client/v3/concurrency): a
 // session (an etcd lease with a TTL, kept alive by the client) and a key under the
 // election's prefix created with that lease; the oldest key leads. The fencing token is
 // the leader key's CreateRevision (Election.Rev): the store-wide revision of the
@@ -69,14 +74,14 @@ func NewEtcdClient(c EtcdConfig) (*clientv3.Client, error) {
 // reports within a round trip when etcd is reachable. A holder frozen past its TTL learns
 // it within a keepalive round (half a second) of waking; fencing, not this, keeps its
 // writes out.
-type EtcdStore struct {
-	// Client is the etcd client (NewEtcdClient). Required; the store does not close it.
+type Store struct {
+	// Client is the etcd client (NewClient). Required; the store does not close it.
 	Client *clientv3.Client
 	// Prefix is the election's key prefix; default "locks/<resource>". Contenders for one
 	// resource must use the same prefix; keys under it are "<prefix>/<lease ID in hex>".
 	Prefix string
 	// TTL is the session lease's time to live, whole seconds from 1 s to 24 h; default
-	// DefaultTTL. etcd raises a TTL below its minimum (1.5 x its election timeout).
+	// lease.DefaultTTL. etcd raises a TTL below its minimum (1.5 x its election timeout).
 	TTL time.Duration
 	// Holder is the value of the leader key, shown by `etcdctl get --prefix`; default
 	// host:pid:random, drawn anew for each Campaign.
@@ -85,10 +90,10 @@ type EtcdStore struct {
 	Logger *zap.Logger
 }
 
-// Name is StoreEtcd.
-func (s *EtcdStore) Name() string { return StoreEtcd }
+// Name is lease.StoreEtcd.
+func (s *Store) Name() string { return lease.StoreEtcd }
 
-func (s *EtcdStore) prefix(resource string) string {
+func (s *Store) prefix(resource string) string {
 	if s.Prefix != "" {
 		return strings.TrimSuffix(s.Prefix, "/")
 	}
@@ -99,22 +104,22 @@ func (s *EtcdStore) prefix(resource string) string {
 // etcd that cannot be reached is waited for (each attempt to create a session gives up
 // after max(TTL, 5 s), is logged and retried with backoff); a refusal that retrying cannot
 // change (authentication failed, permission denied, a TTL out of range) is returned
-// wrapping ErrRefused.
-func (s *EtcdStore) Campaign(ctx context.Context, resource string) (Lease, error) {
+// wrapping lease.ErrRefused.
+func (s *Store) Campaign(ctx context.Context, resource string) (lease.Lease, error) {
 	if s.Client == nil {
-		return nil, fmt.Errorf("lease: %w: etcd store without a client", ErrRefused)
+		return nil, fmt.Errorf("lease: %w: etcd store without a client", lease.ErrRefused)
 	}
 	ttl := s.TTL
 	if ttl == 0 {
-		ttl = DefaultTTL
+		ttl = lease.DefaultTTL
 	}
 	if ttl < time.Second || ttl > 24*time.Hour || ttl%time.Second != 0 {
-		return nil, fmt.Errorf("lease: %w: etcd lease TTL %v: want whole seconds from 1s to 24h", ErrRefused, ttl)
+		return nil, fmt.Errorf("lease: %w: etcd lease TTL %v: want whole seconds from 1s to 24h", lease.ErrRefused, ttl)
 	}
 	holder := s.Holder
 	if holder == "" {
 		var err error
-		if holder, err = defaultHolder(); err != nil {
+		if holder, err = lease.DefaultHolder(); err != nil {
 			return nil, err
 		}
 	}
@@ -123,9 +128,9 @@ func (s *EtcdStore) Campaign(ctx context.Context, resource string) (Lease, error
 		log = zap.NewNop()
 	}
 	prefix := s.prefix(resource)
-	log = log.With(zap.String("store", StoreEtcd), zap.String("key", prefix))
+	log = log.With(zap.String("store", lease.StoreEtcd), zap.String("key", prefix))
 	log.Info("campaigning", zap.String("holder", holder))
-	retry := newBackoff(100*time.Millisecond, 2*time.Second)
+	retry := lease.NewBackoff(100*time.Millisecond, 2*time.Second)
 	for {
 		if err := ctx.Err(); err != nil {
 			return nil, fmt.Errorf("lease: campaign for etcd election %s: %w", prefix, err)
@@ -136,17 +141,17 @@ func (s *EtcdStore) Campaign(ctx context.Context, resource string) (Lease, error
 			return l, nil
 		case ctx.Err() != nil:
 			continue
-		case etcdPermanent(err):
-			return nil, fmt.Errorf("lease: %w: etcd election %s: %w", ErrRefused, prefix, err)
+		case permanent(err):
+			return nil, fmt.Errorf("lease: %w: etcd election %s: %w", lease.ErrRefused, prefix, err)
 		}
 		log.Warn("campaign on etcd", zap.Error(err))
-		retry.wait(ctx)
+		retry.Wait(ctx)
 	}
 }
 
 // campaignOnce creates a session, campaigns with it and checks the result. Whatever fails,
 // the session is closed (its lease revoked, which deletes its key) before returning.
-func (s *EtcdStore) campaignOnce(ctx context.Context, prefix, holder string, ttl time.Duration, log *zap.Logger) (*etcdLease, error) {
+func (s *Store) campaignOnce(ctx context.Context, prefix, holder string, ttl time.Duration, log *zap.Logger) (*held, error) {
 	cli := s.Client
 	// The grant gets its own deadline: with etcd unreachable, a request waits for a
 	// connection until its ctx ends, and the caller should hear about it.
@@ -211,11 +216,11 @@ func (s *EtcdStore) campaignOnce(ctx context.Context, prefix, holder string, ttl
 		return nil, fmt.Errorf("session lease %x: its key %s is not the leader after campaigning (expired or deleted)",
 			grant.ID, election.Key())
 	}
-	l := &etcdLease{
+	l := &held{
 		client: cli, session: session, election: election, endSession: endSession,
 		key: election.Key(), token: election.Rev(), holder: fmt.Sprintf("%x", grant.ID),
 		ttl: time.Duration(grant.TTL) * time.Second, log: log,
-		outcome: newOutcome(), stopped: make(chan struct{}),
+		Outcome: lease.NewOutcome(), stopped: make(chan struct{}),
 	}
 	l.log = log.With(zap.String("session", l.holder))
 	mctx, stop := context.WithCancel(context.WithoutCancel(ctx))
@@ -224,9 +229,9 @@ func (s *EtcdStore) campaignOnce(ctx context.Context, prefix, holder string, ttl
 	return l, nil
 }
 
-// etcdPermanent reports an error that retrying cannot change: authentication or
+// permanent reports an error that retrying cannot change: authentication or
 // permission refused, a TTL etcd will not grant.
-func etcdPermanent(err error) bool {
+func permanent(err error) bool {
 	for _, target := range []error{
 		rpctypes.ErrAuthFailed, rpctypes.ErrPermissionDenied, rpctypes.ErrUserEmpty,
 		rpctypes.ErrLeaseTTLTooLarge, rpctypes.ErrAuthNotEnabled,
@@ -244,8 +249,8 @@ func revokeQuietly(cli *clientv3.Client, id clientv3.LeaseID) {
 	_, _ = cli.Revoke(ctx, id) // else it expires on its own
 }
 
-// etcdLease is a won election.
-type etcdLease struct {
+// held is a won election.
+type held struct {
 	client     *clientv3.Client
 	session    *concurrency.Session
 	election   *concurrency.Election
@@ -256,29 +261,29 @@ type etcdLease struct {
 	ttl        time.Duration
 	log        *zap.Logger
 
-	outcome
+	lease.Outcome
 	stop    context.CancelFunc // stops the monitor
 	stopped chan struct{}      // closed when the monitor returned
 }
 
-func (l *etcdLease) Store() string  { return StoreEtcd }
-func (l *etcdLease) Key() string    { return l.key }
-func (l *etcdLease) Holder() string { return l.holder }
-func (l *etcdLease) Token() int64   { return l.token }
+func (l *held) Store() string  { return lease.StoreEtcd }
+func (l *held) Key() string    { return l.key }
+func (l *held) Holder() string { return l.holder }
+func (l *held) Token() int64   { return l.token }
 
-func (l *etcdLease) lost(format string, args ...any) {
-	err := fmt.Errorf("%w: etcd key %s (CreateRevision %d): %s", ErrLockLost, l.key, l.token, fmt.Sprintf(format, args...))
+func (l *held) lost(format string, args ...any) {
+	err := fmt.Errorf("%w: etcd key %s (CreateRevision %d): %s", lease.ErrLockLost, l.key, l.token, fmt.Sprintf(format, args...))
 	l.log.Warn("lock lost", zap.Int64("token", l.token), zap.Error(err))
-	l.finish(err)
+	l.Finish(err)
 }
 
 // monitor ends the lease when the session ends (its keepalives stopped: etcd unreachable
 // or this process frozen for a TTL) or when the leader key is deleted (the lease expired
 // or was revoked on the server, or someone deleted the key), whichever it sees first.
 // from is a revision at which the key was known to be ours.
-func (l *etcdLease) monitor(ctx context.Context, from int64) {
+func (l *held) monitor(ctx context.Context, from int64) {
 	defer close(l.stopped)
-	retry := newBackoff(100*time.Millisecond, time.Second)
+	retry := lease.NewBackoff(100*time.Millisecond, time.Second)
 	for {
 		// WithRequireLeader: a member cut off from its cluster's leader cancels the watch
 		// instead of leaving it silent. Watch itself blocks until it reaches etcd, so it
@@ -299,7 +304,7 @@ func (l *etcdLease) monitor(ctx context.Context, from int64) {
 		// The watch ended (compaction, a lost leader, a connection lost): read the key
 		// again, linearizably, and watch on from there.
 		for {
-			if !retry.wait(ctx) {
+			if !retry.Wait(ctx) {
 				return
 			}
 			select {
@@ -320,7 +325,7 @@ func (l *etcdLease) monitor(ctx context.Context, from int64) {
 				return
 			}
 			from = resp.Header.Revision
-			retry.reset()
+			retry.Reset()
 			break
 		}
 	}
@@ -328,7 +333,7 @@ func (l *etcdLease) monitor(ctx context.Context, from int64) {
 
 // follow reads wch until the key is deleted (gone, and why), the watch ends or the
 // session does.
-func (l *etcdLease) follow(ctx context.Context, wch clientv3.WatchChan) (gone bool, why string) {
+func (l *held) follow(ctx context.Context, wch clientv3.WatchChan) (gone bool, why string) {
 	for {
 		select {
 		case <-ctx.Done():
@@ -355,11 +360,11 @@ func (l *etcdLease) follow(ctx context.Context, wch clientv3.WatchChan) (gone bo
 // Release resigns (deletes the leader key if it is still ours) and revokes the session's
 // lease. A lease that is already lost is revoked all the same, so that a key it may still
 // hold goes at once instead of at its expiry.
-func (l *etcdLease) Release(ctx context.Context) error {
+func (l *held) Release(ctx context.Context) error {
 	l.stop()
 	<-l.stopped
-	defer l.finish(ErrReleased)
-	if errors.Is(l.Err(), ErrReleased) {
+	defer l.Finish(lease.ErrReleased)
+	if errors.Is(l.Err(), lease.ErrReleased) {
 		return nil
 	}
 	wasHeld := l.Err() == nil

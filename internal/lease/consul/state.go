@@ -1,11 +1,12 @@
-package lease
+package consul
 
 import (
 	"context"
 	"fmt"
-	"math"
 
 	"github.com/hashicorp/consul/api"
+
+	"github.com/fenceproxy/fenceproxy/internal/lease"
 )
 
 // State is what Consul said about one lock key at one moment. The triple (Key, LockIndex,
@@ -25,8 +26,8 @@ type State struct {
 	CreateIndex uint64 // changes when the key is deleted and created again
 	ModifyIndex uint64
 	Index       uint64 // X-Consul-Index of the read
-	// Mode says which number is the token (TokenLockIndex when empty).
-	Mode TokenMode
+	// Mode says which number is the token (lease.TokenLockIndex when empty).
+	Mode lease.TokenMode
 
 	// Highest is the highest token (of Mode) the Watcher saw for the key (since it
 	// started or since Reset). Zero in states that do not come from a Watcher.
@@ -37,25 +38,25 @@ type State struct {
 }
 
 // Current returns the token (of s.Mode) of the key's current or last acquisition: its
-// LockIndex, or EncodeToken(CreateIndex, LockIndex); 0 when the key does not exist. The
-// error wraps ErrTokenRange when the indexes do not fit the encoding.
+// LockIndex, or lease.EncodeToken(CreateIndex, LockIndex); 0 when the key does not exist. The
+// error wraps lease.ErrTokenRange when the indexes do not fit the encoding.
 func (s State) Current() (int64, error) {
-	return s.Mode.tokenOf(s.Exists, s.CreateIndex, s.LockIndex)
+	return s.Mode.TokenOf(s.Exists, s.CreateIndex, s.LockIndex)
 }
 
 // Token returns the token of the current holder: Current of a held lock in a known,
-// regression-free state. Otherwise it returns the reason as an error (ErrUnavailable,
-// ErrRegression or ErrNotHeld).
+// regression-free state. Otherwise it returns the reason as an error (lease.ErrUnavailable,
+// lease.ErrRegression or lease.ErrNotHeld).
 func (s State) Token() (int64, error) {
 	if err := s.usable(); err != nil {
 		return 0, err
 	}
 	cur, err := s.Current()
 	if err != nil {
-		return 0, &TokenError{Key: s.Key, State: s, Err: ErrUnavailable, Cause: err}
+		return 0, &TokenError{Key: s.Key, State: s, Err: lease.ErrUnavailable, Cause: err}
 	}
 	if !s.Held || s.LockIndex == 0 {
-		return 0, &TokenError{Key: s.Key, Token: cur, State: s, Err: ErrNotHeld}
+		return 0, &TokenError{Key: s.Key, Token: cur, State: s, Err: lease.ErrNotHeld}
 	}
 	return cur, nil
 }
@@ -64,13 +65,13 @@ func (s State) Token() (int64, error) {
 // state: the token must equal Current of a held lock, and a given session must be the
 // holder. The answers, in this order:
 //
-//   - unknown state, or indexes outside the encoding: ErrUnavailable; regression: a
+//   - unknown state, or indexes outside the encoding: lease.ErrUnavailable; regression: a
 //     *RegressionError;
-//   - the key does not exist: ErrNotHeld (whatever the token: nobody holds anything);
-//   - token < Current: ErrStale (a newer leader exists, held or not);
-//   - token > Current: ErrNotIssued;
-//   - lock free or LockIndex 0: ErrNotHeld;
-//   - session given and not the holder: ErrSessionMismatch.
+//   - the key does not exist: lease.ErrNotHeld (whatever the token: nobody holds anything);
+//   - token < Current: lease.ErrStale (a newer leader exists, held or not);
+//   - token > Current: lease.ErrNotIssued;
+//   - lock free or LockIndex 0: lease.ErrNotHeld;
+//   - session given and not the holder: lease.ErrSessionMismatch.
 func (s State) Check(token int64, session string) error {
 	if err := s.usable(); err != nil {
 		return err
@@ -80,30 +81,30 @@ func (s State) Check(token int64, session string) error {
 	}
 	cur, err := s.Current()
 	if err != nil {
-		return &TokenError{Key: s.Key, Token: token, Session: session, State: s, Err: ErrUnavailable, Cause: err}
+		return &TokenError{Key: s.Key, Token: token, Session: session, State: s, Err: lease.ErrUnavailable, Cause: err}
 	}
 	switch {
 	case !s.Exists:
 		// Deleted (`consul lock` deletes the key after every release) or never created:
 		// the lock is free. Not ErrNotIssued: the token may well have been issued, by an
 		// incarnation of the key that is gone.
-		return fail(ErrNotHeld)
+		return fail(lease.ErrNotHeld)
 	case token < cur:
-		return fail(ErrStale)
+		return fail(lease.ErrStale)
 	case token > cur:
-		return fail(ErrNotIssued)
+		return fail(lease.ErrNotIssued)
 	case !s.Held || s.LockIndex == 0:
 		// LockIndex 0 with a holder: a plain write reset the key; no token was issued.
-		return fail(ErrNotHeld)
+		return fail(lease.ErrNotHeld)
 	case session != "" && session != s.Session:
-		return fail(ErrSessionMismatch)
+		return fail(lease.ErrSessionMismatch)
 	}
 	return nil
 }
 
 func (s State) usable() error {
 	if !s.Known {
-		return &TokenError{Key: s.Key, State: s, Err: ErrUnavailable, Cause: s.Err}
+		return &TokenError{Key: s.Key, State: s, Err: lease.ErrUnavailable, Cause: s.Err}
 	}
 	if s.Regression != nil {
 		return s.Regression
@@ -111,19 +112,10 @@ func (s State) usable() error {
 	return nil
 }
 
-// clampToken converts a LockIndex to a token. LockIndex counts acquisitions, so it never
-// comes near 2^63; the clamp only keeps a corrupt value from turning negative.
-func clampToken(i uint64) int64 {
-	if i > math.MaxInt64 {
-		return math.MaxInt64
-	}
-	return int64(i)
-}
-
 // Read returns the lock key's state from a consistent read (the leader confirms it is
 // still the leader before answering), so that it reflects every write acknowledged before
 // the call. A Consul error is returned wrapped, with State.Known false. The state's Mode
-// is TokenLockIndex; set it to read the token of another mode.
+// is lease.TokenLockIndex; set it to read the token of another mode.
 func Read(ctx context.Context, client *api.Client, key string) (State, error) {
 	q := (&api.QueryOptions{RequireConsistent: true}).WithContext(ctx)
 	pair, meta, err := client.KV().Get(key, q)
@@ -153,7 +145,7 @@ func stateOf(key string, pair *api.KVPair, index uint64) State {
 func Validate(ctx context.Context, client *api.Client, key string, token int64, session string) (State, error) {
 	s, err := Read(ctx, client, key)
 	if err != nil {
-		return s, &TokenError{Key: key, Token: token, Session: session, State: s, Err: ErrUnavailable, Cause: err}
+		return s, &TokenError{Key: key, Token: token, Session: session, State: s, Err: lease.ErrUnavailable, Cause: err}
 	}
 	return s, s.Check(token, session)
 }

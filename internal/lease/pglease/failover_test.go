@@ -1,4 +1,4 @@
-package lease_test
+package pglease_test
 
 import (
 	"context"
@@ -6,7 +6,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fenceproxy/fenceproxy/internal/lease"
+	"github.com/fenceproxy/fenceproxy/internal/lease/leasetest"
+	"github.com/fenceproxy/fenceproxy/internal/lease/pglease"
 	"github.com/fenceproxy/fenceproxy/internal/standby"
 	"github.com/fenceproxy/fenceproxy/internal/testenv"
 )
@@ -16,16 +17,16 @@ import (
 // primary's crash and the standby's promotion the next holder gets a higher generation, never
 // the one the lost primary handed out.
 func TestPostgresLeaseSurvivesFailover(t *testing.T) {
-	pg, url := leaseDB(t)
+	pg, url := leasetest.LeaseDB(t)
 	sb := testenv.StartStandby(t, pg, "s1")
-	b := &lease.PostgresStore{URL: url, TTL: time.Second, Holder: "b", Standbys: standby.Set{Names: []string{"s1"}}}
-	lb := campaign(t, b, "billing")
+	b := &pglease.Store{URL: url, TTL: time.Second, Holder: "b", Standbys: standby.Set{Names: []string{"s1"}}}
+	lb := leasetest.Campaign(t, b, "billing")
 	sb.CutReplication() // the generation is on s1 already: cut before anything else streams
 	pg.Kill(t)
 	sb.Promote(t)
 
-	c := &lease.PostgresStore{URL: sb.AdminURL(), TTL: time.Second, Holder: "c"}
-	lc := campaign(t, c, "billing")
+	c := &pglease.Store{URL: sb.AdminURL(), TTL: time.Second, Holder: "c"}
+	lc := leasetest.Campaign(t, c, "billing")
 	if lc.Token() <= lb.Token() {
 		t.Fatalf("after the failover c got generation %d, b held %d on the lost primary: issued twice", lc.Token(), lb.Token())
 	}
@@ -34,10 +35,10 @@ func TestPostgresLeaseSurvivesFailover(t *testing.T) {
 // TestPostgresLeaseStandbyNotConfirming: with the standby cut off, an acquisition is released
 // (its generation never handed out) and the campaign goes on until its context ends.
 func TestPostgresLeaseStandbyNotConfirming(t *testing.T) {
-	pg, url := leaseDB(t)
+	pg, url := leasetest.LeaseDB(t)
 	sb := testenv.StartStandby(t, pg, "s1")
 	sb.CutReplication()
-	s := &lease.PostgresStore{URL: url, TTL: 5 * time.Second, Holder: "b",
+	s := &pglease.Store{URL: url, TTL: 5 * time.Second, Holder: "b",
 		Standbys: standby.Set{AllSlots: true}, FlushTimeout: 300 * time.Millisecond}
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()

@@ -1,4 +1,4 @@
-package lease
+package consul
 
 import (
 	"context"
@@ -10,6 +10,8 @@ import (
 
 	"github.com/hashicorp/consul/api"
 	"go.uber.org/zap"
+
+	"github.com/fenceproxy/fenceproxy/internal/lease"
 )
 
 // lockWaitTime is how long one blocking query of Acquire and of the Lock monitor waits.
@@ -37,7 +39,7 @@ type Lock struct {
 // another session holds the key it waits with blocking queries (no polling); when the key
 // is free but Consul refuses it (the previous holder's lock-delay), it retries with a
 // backoff of at most 2 s. It returns early when ctx ends (ctx's error) or the session ends
-// (ErrSessionExpired or the session's ctx error). Consul errors are retried: a Consul that
+// (lease.ErrSessionExpired or the session's ctx error). Consul errors are retried: a Consul that
 // stays away ends the session after its TTL, and with it Acquire.
 //
 // When ctx ends while the lock request is in flight, Consul may still grant it: the key is
@@ -60,7 +62,7 @@ func Acquire(ctx context.Context, s *Session, key string) (*Lock, error) {
 		}
 	}()
 
-	retry := newBackoff(100*time.Millisecond, 2*time.Second)
+	retry := lease.NewBackoff(100*time.Millisecond, 2*time.Second)
 	for {
 		if err := acquireAborted(ctx, s); err != nil {
 			return nil, fmt.Errorf("lease: acquire %q: %w", key, err)
@@ -70,26 +72,26 @@ func Acquire(ctx context.Context, s *Session, key string) (*Lock, error) {
 			return l, nil
 		}
 		if Permanent(err) {
-			return nil, fmt.Errorf("lease: acquire %q: %w: %w", key, ErrRefused, err)
+			return nil, fmt.Errorf("lease: acquire %q: %w: %w", key, lease.ErrRefused, err)
 		}
 		if err != nil {
 			if acquireAborted(ctx, s) == nil {
 				s.log.Warn("acquire lock", zap.String("key", key), zap.Error(err))
 			}
-			retry.wait(ctx)
+			retry.Wait(ctx)
 			continue
 		}
 		if held == "" {
 			// Free, yet refused: a lock-delay runs (or another contender won and we
 			// read before its write). Consul's KV index does not move when a
 			// lock-delay ends, so a blocking query would not wake us: retry.
-			retry.wait(ctx)
+			retry.Wait(ctx)
 			continue
 		}
-		retry.reset()
+		retry.Reset()
 		if err := waitFree(ctx, s.client, key); err != nil && acquireAborted(ctx, s) == nil {
 			s.log.Warn("wait for lock", zap.String("key", key), zap.Error(err))
-			retry.wait(ctx)
+			retry.Wait(ctx)
 		}
 	}
 }
@@ -146,7 +148,7 @@ func tryLock(ctx context.Context, s *Session, key string) (*Lock, string, error)
 	}
 	mctx, stop := context.WithCancel(context.WithoutCancel(ctx))
 	l := &Lock{
-		key: key, session: s, token: clampToken(pair.LockIndex), lockIndex: pair.LockIndex, createIndex: pair.CreateIndex,
+		key: key, session: s, token: lease.ClampToken(pair.LockIndex), lockIndex: pair.LockIndex, createIndex: pair.CreateIndex,
 		done: make(chan struct{}), stop: stop, stopped: make(chan struct{}),
 	}
 	go l.monitor(mctx, pair.ModifyIndex)
@@ -197,10 +199,10 @@ func (l *Lock) Key() string { return l.key }
 // Token is the fencing token of mode TokenLockIndex: the LockIndex of this acquisition.
 func (l *Lock) Token() int64 { return l.token }
 
-// TokenOf is the fencing token of this acquisition in mode m (EncodeToken for
-// TokenCreateLock); the error wraps ErrTokenRange when the indexes do not fit.
-func (l *Lock) TokenOf(m TokenMode) (int64, error) {
-	return m.tokenOf(true, l.createIndex, l.lockIndex)
+// TokenOf is the fencing token of this acquisition in mode m (lease.EncodeToken for
+// lease.TokenCreateLock); the error wraps lease.ErrTokenRange when the indexes do not fit.
+func (l *Lock) TokenOf(m lease.TokenMode) (int64, error) {
+	return m.TokenOf(true, l.createIndex, l.lockIndex)
 }
 
 // Session is the session that holds the lock.
@@ -211,8 +213,8 @@ func (l *Lock) Session() *Session { return l.session }
 // acquisition) or released. Err says which.
 func (l *Lock) Done() <-chan struct{} { return l.done }
 
-// Err is nil while the lock is held; after Done it wraps ErrLockLost (with the cause,
-// ErrSessionExpired among them) or is ErrReleased.
+// Err is nil while the lock is held; after Done it wraps lease.ErrLockLost (with the cause,
+// lease.ErrSessionExpired among them) or is lease.ErrReleased.
 func (l *Lock) Err() error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -235,9 +237,9 @@ func (l *Lock) monitor(ctx context.Context, index uint64) {
 	defer close(l.stopped)
 	defer l.stop() // ends the goroutine below when the lock is lost
 	kv := l.session.client.KV()
-	retry := newBackoff(100*time.Millisecond, 2*time.Second)
+	retry := lease.NewBackoff(100*time.Millisecond, 2*time.Second)
 	lost := func(format string, args ...any) {
-		err := fmt.Errorf("%w: %q: %s", ErrLockLost, l.key, fmt.Sprintf(format, args...))
+		err := fmt.Errorf("%w: %q: %s", lease.ErrLockLost, l.key, fmt.Sprintf(format, args...))
 		l.session.log.Warn("lock lost", zap.String("key", l.key), zap.Int64("token", l.token), zap.Error(err))
 		l.finish(err)
 	}
@@ -261,10 +263,10 @@ func (l *Lock) monitor(ctx context.Context, index uint64) {
 		default:
 		}
 		if err != nil {
-			retry.wait(ctx)
+			retry.Wait(ctx)
 			continue
 		}
-		retry.reset()
+		retry.Reset()
 		switch {
 		case pair == nil:
 			lost("the key was deleted")
@@ -298,39 +300,39 @@ func (l *Lock) Release(ctx context.Context) error {
 	if _, _, err := l.session.client.KV().Release(pair, (&api.WriteOptions{}).WithContext(ctx)); err != nil {
 		return fmt.Errorf("lease: release %q: %w", l.key, err)
 	}
-	l.finish(ErrReleased)
+	l.finish(lease.ErrReleased)
 	return nil
 }
 
-// ConsulStore grants Consul locks (Store): each Campaign creates a session and acquires the
+// Store grants Consul locks (Store): each Campaign creates a session and acquires the
 // resource's key with it (NewSession, Acquire). Releasing one of its leases releases the key
 // and destroys the session.
-type ConsulStore struct {
+type Store struct {
 	Client *api.Client // required
 	// Key is the lock key; empty: "locks/" + the resource.
 	Key       string
-	TTL       time.Duration // session TTL; default DefaultTTL
+	TTL       time.Duration // session TTL; default lease.DefaultTTL
 	LockDelay time.Duration // session lock-delay; default DefaultLockDelay (0)
-	// TokenMode is the token its leases hand out (Lease.Token); it must be the proxy's
-	// --consul-token-mode. Empty: TokenLockIndex.
-	TokenMode TokenMode
+	// TokenMode is the token its leases hand out (lease.Lease.Token); it must be the proxy's
+	// --consul-token-mode. Empty: lease.TokenLockIndex.
+	TokenMode lease.TokenMode
 	Logger    *zap.Logger // nil: no logs
-	Clock     Clock       // the session keep-alive's clock; nil: time.Now
+	Clock     lease.Clock // the session keep-alive's clock; nil: time.Now
 }
 
-// Name is StoreConsul.
-func (c *ConsulStore) Name() string { return StoreConsul }
+// Name is lease.StoreConsul.
+func (c *Store) Name() string { return lease.StoreConsul }
 
 // Campaign creates a session and blocks until it holds the lock key (Acquire). The session
 // outlives ctx on purpose: a holder must be able to stop its work before the key is released,
 // which the lease's Release does.
-func (c *ConsulStore) Campaign(ctx context.Context, resource string) (Lease, error) {
+func (c *Store) Campaign(ctx context.Context, resource string) (lease.Lease, error) {
 	if c.Client == nil {
-		return nil, errors.New("lease: ConsulStore: nil Consul client")
+		return nil, errors.New("lease: Store: nil Consul client")
 	}
-	mode, err := ParseTokenMode(string(c.TokenMode))
+	mode, err := lease.ParseTokenMode(string(c.TokenMode))
 	if err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrRefused, err)
+		return nil, fmt.Errorf("%w: %w", lease.ErrRefused, err)
 	}
 	key := c.Key
 	if key == "" {
@@ -342,49 +344,57 @@ func (c *ConsulStore) Campaign(ctx context.Context, resource string) (Lease, err
 	}
 	ttl := c.TTL
 	if ttl == 0 {
-		ttl = DefaultTTL
+		ttl = lease.DefaultTTL
 	}
 	sess, err := NewSession(context.WithoutCancel(ctx), c.Client,
 		WithTTL(ttl), WithLockDelay(c.LockDelay), WithLogger(log), WithName("fenceproxy lock "+resource), WithClock(c.Clock))
 	if Permanent(err) {
 		// An ACL refusal or a wrong scheme: campaigning again cannot change it.
-		return nil, fmt.Errorf("%w: %w", ErrRefused, err)
+		return nil, fmt.Errorf("%w: %w", lease.ErrRefused, err)
 	}
 	if err != nil {
 		return nil, err
 	}
-	log.Info("campaigning", zap.String("store", StoreConsul), zap.String("session", sess.ID()), zap.String("key", key))
+	log.Info("campaigning", zap.String("store", lease.StoreConsul), zap.String("session", sess.ID()), zap.String("key", key))
 	lock, err := Acquire(ctx, sess, key)
 	if err != nil {
 		closeSession(sess, log)
 		return nil, err
 	}
-	l := &consulLease{Lock: lock, log: log}
+	l := &held{Lock: lock, log: log}
 	if l.token, err = lock.TokenOf(mode); err != nil {
 		// The key's indexes do not fit the encoding: no token to give. Campaigning again
-		// would win the same key; the operator has to act (EncodeToken says how).
+		// would win the same key; the operator has to act (lease.EncodeToken says how).
 		rerr := l.Release(context.WithoutCancel(ctx))
-		return nil, fmt.Errorf("%w: lock %q: %w", ErrRefused, key, errors.Join(err, rerr))
+		return nil, fmt.Errorf("%w: lock %q: %w", lease.ErrRefused, key, errors.Join(err, rerr))
 	}
 	return l, nil
 }
 
-// consulLease is a Lock as a Lease, with the token of the store's mode: its Release also
+// held is a Lock as a lease.Lease, with the token of the store's mode: its Release also
 // destroys the session.
-type consulLease struct {
+type held struct {
 	*Lock
 	token int64
 	log   *zap.Logger
 }
 
-func (l *consulLease) Token() int64 { return l.token }
+func (l *held) Token() int64 { return l.token }
 
-func (l *consulLease) Store() string  { return StoreConsul }
-func (l *consulLease) Holder() string { return l.session.id }
+func (l *held) Store() string  { return lease.StoreConsul }
+func (l *held) Holder() string { return l.session.id }
 
-func (l *consulLease) Release(ctx context.Context) error {
+func (l *held) Release(ctx context.Context) error {
 	err := l.Lock.Release(ctx)
 	// Destroying the session releases the key as well, should the release have failed.
 	closeSession(l.session, l.log)
 	return err
+}
+
+func closeSession(s *Session, log *zap.Logger) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := s.Close(ctx); err != nil {
+		log.Warn("close consul session", zap.Error(err))
+	}
 }

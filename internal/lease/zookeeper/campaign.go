@@ -1,4 +1,7 @@
-package lease
+// Package zookeeper is ZooKeeper as a lock service: campaigning through the lock recipe
+// (Store, the token the lock node's czxid) and the Authority the proxy asks (the owner of the
+// folder's lowest lock node, read after a sync, and a watch of the folder's children).
+package zookeeper
 
 import (
 	"context"
@@ -12,9 +15,11 @@ import (
 
 	"github.com/go-zookeeper/zk"
 	"go.uber.org/zap"
+
+	"github.com/fenceproxy/fenceproxy/internal/lease"
 )
 
-// ZooKeeperStore grants leases through ZooKeeper's lock recipe: each contender creates an
+// Store grants leases through ZooKeeper's lock recipe: each contender creates an
 // ephemeral sequential znode under the lock folder (default /locks/<resource>) with a
 // session of its own; the lowest sequence number holds the lock, and every other contender
 // watches only the node just below its own (no herd when the holder goes).
@@ -28,7 +33,7 @@ import (
 // higher sequence number, or it was already there and the previous holder's, lower, node
 // was below it), so every new holder's token is higher than its predecessor's. Only a
 // restore from an old snapshot or a wiped data folder moves zxids back; the proxy
-// (ZooKeeperGuard) fails closed then.
+// (its LockGuard over this package's Authority) fails closed then.
 //
 // Lock nodes are named "_c_<random>-lock-<sequence>", the name Apache Curator's
 // InterProcessMutex uses; any client that follows the recipe (Curator, Kazoo, zkCli)
@@ -43,13 +48,13 @@ import (
 // first reconnection) or the lock node deleted. ZooKeeper moves a session timeout outside
 // its minSessionTimeout..maxSessionTimeout (by default 2 to 20 ticks, 4 s to 40 s) into
 // that range without saying so: keep TTL inside it.
-type ZooKeeperStore struct {
+type Store struct {
 	// Servers are the ensemble's client addresses, host:port. Required.
 	Servers []string
 	// Prefix is the lock folder; default /locks/<resource>. Contenders for one resource
 	// must use the same folder; it is created (with its parents) when missing.
 	Prefix string
-	// TTL is the session timeout, from 1 s to 24 h; default DefaultTTL.
+	// TTL is the session timeout, from 1 s to 24 h; default lease.DefaultTTL.
 	TTL time.Duration
 	// Holder is the lock node's data, shown by `zkCli.sh get`; default host:pid:random,
 	// drawn anew for each Campaign.
@@ -58,21 +63,21 @@ type ZooKeeperStore struct {
 	Logger *zap.Logger
 }
 
-// Name is StoreZooKeeper.
-func (s *ZooKeeperStore) Name() string { return StoreZooKeeper }
+// Name is lease.StoreZooKeeper.
+func (s *Store) Name() string { return lease.StoreZooKeeper }
 
-// ZooKeeperLockDir returns the lock folder of resource: prefix without a trailing slash,
+// LockDir returns the lock folder of resource: prefix without a trailing slash,
 // or /locks/<resource>.
-func ZooKeeperLockDir(prefix, resource string) string {
+func LockDir(prefix, resource string) string {
 	if prefix != "" {
 		return strings.TrimSuffix(prefix, "/")
 	}
 	return "/locks/" + resource
 }
 
-// ZooKeeperSequence returns the sequence number of a lock node's name (its ten-digit
+// Sequence returns the sequence number of a lock node's name (its ten-digit
 // suffix), and false for a name that is not a lock node's.
-func ZooKeeperSequence(name string) (int64, bool) {
+func Sequence(name string) (int64, bool) {
 	if len(name) < 10 {
 		return 0, false
 	}
@@ -80,27 +85,27 @@ func ZooKeeperSequence(name string) (int64, bool) {
 	return seq, err == nil && seq >= 0
 }
 
-// ZooKeeperLockOrder sorts lock node names by sequence (the holder first) and drops names
+// LockOrder sorts lock node names by sequence (the holder first) and drops names
 // that are not lock nodes'.
-func ZooKeeperLockOrder(children []string) []string {
+func LockOrder(children []string) []string {
 	locks := slices.DeleteFunc(slices.Clone(children), func(n string) bool {
-		_, ok := ZooKeeperSequence(n)
+		_, ok := Sequence(n)
 		return !ok
 	})
 	slices.SortFunc(locks, func(a, b string) int {
-		sa, _ := ZooKeeperSequence(a)
-		sb, _ := ZooKeeperSequence(b)
+		sa, _ := Sequence(a)
+		sb, _ := Sequence(b)
 		return int(sa - sb)
 	})
 	return locks
 }
 
-// ZooKeeperConnect opens a ZooKeeper client session: one per lease (the session is the
+// Connect opens a ZooKeeper client session: one per lease (the session is the
 // lease) or per proxy guard. events, when not nil, receives every session event (it must
 // not block). The client's own messages go to log at debug level.
-func ZooKeeperConnect(servers []string, timeout time.Duration, log *zap.Logger, events func(zk.Event)) (*zk.Conn, error) {
+func Connect(servers []string, timeout time.Duration, log *zap.Logger, events func(zk.Event)) (*zk.Conn, error) {
 	if len(servers) == 0 {
-		return nil, fmt.Errorf("lease: %w: no ZooKeeper servers", ErrRefused)
+		return nil, fmt.Errorf("lease: %w: no ZooKeeper servers", lease.ErrRefused)
 	}
 	if log == nil {
 		log = zap.NewNop()
@@ -122,9 +127,9 @@ type zkLogger struct{ log *zap.Logger }
 
 func (l zkLogger) Printf(format string, args ...any) { l.log.Debug(fmt.Sprintf(format, args...)) }
 
-// zkPermanent reports an error that retrying cannot change: authentication or an ACL
+// permanent reports an error that retrying cannot change: authentication or an ACL
 // refused, a path ZooKeeper will not take.
-func zkPermanent(err error) bool {
+func permanent(err error) bool {
 	for _, target := range []error{zk.ErrNoAuth, zk.ErrAuthFailed, zk.ErrInvalidACL, zk.ErrBadArguments, zk.ErrInvalidPath, zk.ErrNoChildrenForEphemerals} {
 		if errors.Is(err, target) {
 			return true
@@ -175,26 +180,26 @@ func (s *zkSession) state() (expired bool, downSince time.Time) {
 // Campaign blocks until this store's session holds resource's lock, or ctx ends. A
 // ZooKeeper that cannot be reached is waited for (each attempt is logged and retried with
 // backoff); a refusal that retrying cannot change (authentication, an ACL, a bad path) is
-// returned wrapping ErrRefused.
-func (s *ZooKeeperStore) Campaign(ctx context.Context, resource string) (Lease, error) {
+// returned wrapping lease.ErrRefused.
+func (s *Store) Campaign(ctx context.Context, resource string) (lease.Lease, error) {
 	if len(s.Servers) == 0 {
-		return nil, fmt.Errorf("lease: %w: ZooKeeper store without servers", ErrRefused)
+		return nil, fmt.Errorf("lease: %w: ZooKeeper store without servers", lease.ErrRefused)
 	}
 	ttl := s.TTL
 	if ttl == 0 {
-		ttl = DefaultTTL
+		ttl = lease.DefaultTTL
 	}
 	if ttl < time.Second || ttl > 24*time.Hour {
-		return nil, fmt.Errorf("lease: %w: ZooKeeper session timeout %v: want 1s to 24h", ErrRefused, ttl)
+		return nil, fmt.Errorf("lease: %w: ZooKeeper session timeout %v: want 1s to 24h", lease.ErrRefused, ttl)
 	}
-	dir := ZooKeeperLockDir(s.Prefix, resource)
+	dir := LockDir(s.Prefix, resource)
 	if !strings.HasPrefix(dir, "/") || strings.Contains(dir, "//") {
-		return nil, fmt.Errorf("lease: %w: ZooKeeper lock folder %q: want an absolute path like /locks/%s", ErrRefused, dir, resource)
+		return nil, fmt.Errorf("lease: %w: ZooKeeper lock folder %q: want an absolute path like /locks/%s", lease.ErrRefused, dir, resource)
 	}
 	holder := s.Holder
 	if holder == "" {
 		var err error
-		if holder, err = defaultHolder(); err != nil {
+		if holder, err = lease.DefaultHolder(); err != nil {
 			return nil, err
 		}
 	}
@@ -202,9 +207,9 @@ func (s *ZooKeeperStore) Campaign(ctx context.Context, resource string) (Lease, 
 	if log == nil {
 		log = zap.NewNop()
 	}
-	log = log.With(zap.String("store", StoreZooKeeper), zap.String("key", dir))
+	log = log.With(zap.String("store", lease.StoreZooKeeper), zap.String("key", dir))
 	log.Info("campaigning", zap.String("holder", holder))
-	retry := newBackoff(100*time.Millisecond, 2*time.Second)
+	retry := lease.NewBackoff(100*time.Millisecond, 2*time.Second)
 	for {
 		if err := ctx.Err(); err != nil {
 			return nil, fmt.Errorf("lease: campaign for ZooKeeper lock %s: %w", dir, err)
@@ -215,17 +220,17 @@ func (s *ZooKeeperStore) Campaign(ctx context.Context, resource string) (Lease, 
 			return l, nil
 		case ctx.Err() != nil:
 			continue
-		case zkPermanent(err):
-			return nil, fmt.Errorf("lease: %w: ZooKeeper lock %s: %w", ErrRefused, dir, err)
+		case permanent(err):
+			return nil, fmt.Errorf("lease: %w: ZooKeeper lock %s: %w", lease.ErrRefused, dir, err)
 		}
 		log.Warn("campaign on ZooKeeper", zap.Error(err))
-		retry.wait(ctx)
+		retry.Wait(ctx)
 	}
 }
 
 // zkCall runs f, a call of the client (which takes no ctx: it returns when the server
 // answers or the connection is given up), and returns ctx's error if ctx ends first.
-func ZooKeeperCall(ctx context.Context, f func() error) error {
+func Call(ctx context.Context, f func() error) error {
 	done := make(chan error, 1)
 	go func() { done <- f() }()
 	select {
@@ -238,9 +243,9 @@ func ZooKeeperCall(ctx context.Context, f func() error) error {
 
 // campaignOnce opens a session, creates its lock node and waits until the node is the
 // lowest. Whatever fails, the session is closed (which deletes its node) before returning.
-func (s *ZooKeeperStore) campaignOnce(ctx context.Context, dir, holder string, ttl time.Duration, log *zap.Logger) (l *zkLease, err error) {
+func (s *Store) campaignOnce(ctx context.Context, dir, holder string, ttl time.Duration, log *zap.Logger) (l *held, err error) {
 	sess := newZKSession()
-	conn, err := ZooKeeperConnect(s.Servers, ttl, log, sess.event)
+	conn, err := Connect(s.Servers, ttl, log, sess.event)
 	if err != nil {
 		return nil, err
 	}
@@ -251,8 +256,8 @@ func (s *ZooKeeperStore) campaignOnce(ctx context.Context, dir, holder string, t
 	}()
 	acl := zk.WorldACL(zk.PermAll)
 	var node string
-	err = ZooKeeperCall(ctx, func() error {
-		if err := zkEnsureDir(conn, dir, acl); err != nil {
+	err = Call(ctx, func() error {
+		if err := ensureDir(conn, dir, acl); err != nil {
 			return err
 		}
 		var err error
@@ -266,7 +271,7 @@ func (s *ZooKeeperStore) campaignOnce(ctx context.Context, dir, holder string, t
 		return nil, err
 	}
 	var st *zk.Stat
-	if err := ZooKeeperCall(ctx, func() error {
+	if err := Call(ctx, func() error {
 		var err error
 		_, st, err = conn.Get(node)
 		return err
@@ -280,14 +285,14 @@ func (s *ZooKeeperStore) campaignOnce(ctx context.Context, dir, holder string, t
 	session := fmt.Sprintf("%x", st.EphemeralOwner)
 	for waited := false; ; {
 		var children []string
-		if err := ZooKeeperCall(ctx, func() error {
+		if err := Call(ctx, func() error {
 			var err error
 			children, _, err = conn.Children(dir)
 			return err
 		}); err != nil {
 			return nil, fmt.Errorf("list %s: %w", dir, err)
 		}
-		locks := ZooKeeperLockOrder(children)
+		locks := LockOrder(children)
 		i := slices.Index(locks, name)
 		if i < 0 {
 			return nil, fmt.Errorf("session %s: the lock node %s is gone (the session expired, or someone deleted it)", session, node)
@@ -298,7 +303,7 @@ func (s *ZooKeeperStore) campaignOnce(ctx context.Context, dir, holder string, t
 		pred := dir + "/" + locks[i-1]
 		var exists bool
 		var wch <-chan zk.Event
-		if err := ZooKeeperCall(ctx, func() error {
+		if err := Call(ctx, func() error {
 			var err error
 			exists, _, wch, err = conn.ExistsW(pred)
 			return err
@@ -319,10 +324,10 @@ func (s *ZooKeeperStore) campaignOnce(ctx context.Context, dir, holder string, t
 			return nil, fmt.Errorf("session %s: %w", session, err)
 		}
 	}
-	l = &zkLease{
+	l = &held{
 		conn: conn, sess: sess, key: node, token: st.Czxid, holder: session, ttl: ttl,
 		log:     log.With(zap.String("session", session)),
-		outcome: newOutcome(), stopped: make(chan struct{}),
+		Outcome: lease.NewOutcome(), stopped: make(chan struct{}),
 	}
 	mctx, stop := context.WithCancel(context.WithoutCancel(ctx))
 	l.stop = stop
@@ -332,7 +337,7 @@ func (s *ZooKeeperStore) campaignOnce(ctx context.Context, dir, holder string, t
 
 // waitFor waits for an event on wch (the predecessor went, or the watch ended), or until
 // the session expires or has been disconnected for too long, or ctx ends.
-func (s *ZooKeeperStore) waitFor(ctx context.Context, wch <-chan zk.Event, sess *zkSession, ttl time.Duration) error {
+func (s *Store) waitFor(ctx context.Context, wch <-chan zk.Event, sess *zkSession, ttl time.Duration) error {
 	for {
 		select {
 		case <-ctx.Done():
@@ -349,8 +354,8 @@ func (s *ZooKeeperStore) waitFor(ctx context.Context, wch <-chan zk.Event, sess 
 	}
 }
 
-// zkEnsureDir creates dir and its parents as persistent nodes where missing.
-func zkEnsureDir(conn *zk.Conn, dir string, acl []zk.ACL) error {
+// ensureDir creates dir and its parents as persistent nodes where missing.
+func ensureDir(conn *zk.Conn, dir string, acl []zk.ACL) error {
 	parts := strings.Split(strings.TrimPrefix(dir, "/"), "/")
 	for i := range parts {
 		p := "/" + strings.Join(parts[:i+1], "/")
@@ -361,8 +366,8 @@ func zkEnsureDir(conn *zk.Conn, dir string, acl []zk.ACL) error {
 	return nil
 }
 
-// zkLease is a held ZooKeeper lock.
-type zkLease struct {
+// held is a held ZooKeeper lock.
+type held struct {
 	conn   *zk.Conn
 	sess   *zkSession
 	key    string
@@ -371,26 +376,26 @@ type zkLease struct {
 	ttl    time.Duration
 	log    *zap.Logger
 
-	outcome
+	lease.Outcome
 	stop    context.CancelFunc // stops the monitor
 	stopped chan struct{}      // closed when the monitor returned
 }
 
-func (l *zkLease) Store() string  { return StoreZooKeeper }
-func (l *zkLease) Key() string    { return l.key }
-func (l *zkLease) Holder() string { return l.holder }
-func (l *zkLease) Token() int64   { return l.token }
+func (l *held) Store() string  { return lease.StoreZooKeeper }
+func (l *held) Key() string    { return l.key }
+func (l *held) Holder() string { return l.holder }
+func (l *held) Token() int64   { return l.token }
 
-func (l *zkLease) lost(format string, args ...any) {
-	err := fmt.Errorf("%w: ZooKeeper lock node %s (czxid %d): %s", ErrLockLost, l.key, l.token, fmt.Sprintf(format, args...))
+func (l *held) lost(format string, args ...any) {
+	err := fmt.Errorf("%w: ZooKeeper lock node %s (czxid %d): %s", lease.ErrLockLost, l.key, l.token, fmt.Sprintf(format, args...))
 	l.log.Warn("lock lost", zap.Int64("token", l.token), zap.Error(err))
-	l.finish(err)
+	l.Finish(err)
 }
 
 // monitor ends the lease when the server expires the session, when the connection has
 // been lost for TTL/3 (the server may expire the session from then on), or when the lock
 // node is deleted, whichever it learns first.
-func (l *zkLease) monitor(ctx context.Context) {
+func (l *held) monitor(ctx context.Context) {
 	defer close(l.stopped)
 	grace := l.ttl / 3
 	for {
@@ -452,17 +457,17 @@ func (l *zkLease) monitor(ctx context.Context) {
 
 // Release deletes the lock node if it is still held and closes the session (which would
 // delete it anyway). A lost lease's session is closed all the same.
-func (l *zkLease) Release(ctx context.Context) error {
+func (l *held) Release(ctx context.Context) error {
 	l.stop()
 	<-l.stopped
-	defer l.finish(ErrReleased)
-	if errors.Is(l.Err(), ErrReleased) {
+	defer l.Finish(lease.ErrReleased)
+	if errors.Is(l.Err(), lease.ErrReleased) {
 		return nil
 	}
 	wasHeld := l.Err() == nil
 	var derr error
 	if wasHeld {
-		derr = ZooKeeperCall(ctx, func() error {
+		derr = Call(ctx, func() error {
 			err := l.conn.Delete(l.key, -1)
 			if errors.Is(err, zk.ErrNoNode) {
 				return nil

@@ -1,4 +1,4 @@
-package lease
+package consul
 
 import (
 	"context"
@@ -9,6 +9,8 @@ import (
 
 	"github.com/hashicorp/consul/api"
 	"go.uber.org/zap"
+
+	"github.com/fenceproxy/fenceproxy/internal/lease"
 )
 
 // Defaults of WatcherConfig.
@@ -56,8 +58,8 @@ type WatcherConfig struct {
 	Logger *zap.Logger
 
 	// Mode says which number of a key is its token (State.Mode, regression detection).
-	// Empty: TokenLockIndex.
-	Mode TokenMode
+	// Empty: lease.TokenLockIndex.
+	Mode lease.TokenMode
 }
 
 // Watcher follows lock keys with consistent blocking queries and keeps, per key, the
@@ -80,7 +82,7 @@ type keyWatch struct {
 	state State
 
 	// History, for regression detection.
-	mode        TokenMode
+	mode        lease.TokenMode
 	highest     uint64 // highest token (of mode) issued while watched
 	createIndex uint64 // TokenLockIndex: CreateIndex when the key was first seen (0: never seen)
 	holder      string // the session that held the lock with highest ("": not seen held)
@@ -106,7 +108,7 @@ func NewWatcher(client *api.Client, cfg WatcherConfig) (*Watcher, error) {
 	if cfg.RetryMax <= 0 {
 		cfg.RetryMax = DefaultRetryMax
 	}
-	mode, err := ParseTokenMode(string(cfg.Mode))
+	mode, err := lease.ParseTokenMode(string(cfg.Mode))
 	if err != nil {
 		return nil, err
 	}
@@ -160,7 +162,7 @@ func (w *Watcher) State(key string) (State, bool) {
 // watch is one key's loop of consistent blocking queries.
 func (w *Watcher) watch(ctx context.Context, k *keyWatch) {
 	kv := w.client.KV()
-	retry := newBackoff(w.cfg.RetryMin, w.cfg.RetryMax)
+	retry := lease.NewBackoff(w.cfg.RetryMin, w.cfg.RetryMax)
 	// Consul adds up to WaitTime/16 of jitter to a blocking query; past that plus a
 	// margin, Consul is hung or the network is, and the state must become unknown.
 	timeout := w.cfg.WaitTime + w.cfg.WaitTime/16 + max(time.Second, min(5*time.Second, w.cfg.WaitTime/2))
@@ -178,12 +180,12 @@ func (w *Watcher) watch(ctx context.Context, k *keyWatch) {
 		if err != nil {
 			w.lost(k, err)
 			index = 0
-			if !retry.wait(ctx) {
+			if !retry.Wait(ctx) {
 				return
 			}
 			continue
 		}
-		retry.reset()
+		retry.Reset()
 		if meta.LastIndex < seen {
 			w.log.Warn("consul index went backwards; watch restarts from 0",
 				zap.String("key", k.key), zap.Uint64("index", meta.LastIndex), zap.Uint64("previous", seen))
@@ -281,7 +283,7 @@ func (w *Watcher) observe(k *keyWatch, pair *api.KVPair, index uint64) {
 // TokenLockIndex: any new CreateIndex is a regression (LockIndex restarted), and so is a
 // LockIndex below the highest. TokenCreateLock: only a token below the highest is, which
 // takes a plain write on a held key (LockIndex back to 0 under the same CreateIndex) or a
-// snapshot restore (CreateIndex back); a re-created key's tokens are higher (EncodeToken).
+// snapshot restore (CreateIndex back); a re-created key's tokens are higher (lease.EncodeToken).
 //
 // In both modes, the highest token held by another session than the one seen with it is a
 // regression too: Consul issued the number twice, which one transaction that writes the held
@@ -292,16 +294,16 @@ func (k *keyWatch) regressed(next State) string {
 		return ""
 	}
 	if cur, err := next.Current(); err == nil && uint64(cur) == k.highest && next.Held && next.LockIndex > 0 &&
-		k.holder != "" && next.Session != k.holder && (k.mode == TokenCreateLock || next.CreateIndex == k.createIndex) {
+		k.holder != "" && next.Session != k.holder && (k.mode == lease.TokenCreateLock || next.CreateIndex == k.createIndex) {
 		return fmt.Sprintf("token %d was held by Consul session %s and is now held by session %s: Consul issued the number twice "+
 			"(a write to the held key in the transaction that handed the lock over resets its LockIndex)", cur, k.holder, next.Session)
 	}
-	if k.mode == TokenCreateLock {
+	if k.mode == lease.TokenCreateLock {
 		cur, err := next.Current()
 		if err != nil || uint64(cur) >= k.highest {
 			return "" // out of range: unusable, and Check says so (ZF007); not a regression
 		}
-		hc, hl := DecodeToken(int64(k.highest))
+		hc, hl := lease.DecodeToken(int64(k.highest))
 		if next.CreateIndex < hc {
 			return fmt.Sprintf("the key's CreateIndex went back from %d to %d (a snapshot restore, or a Consul that lost its data)",
 				hc, next.CreateIndex)
@@ -326,7 +328,7 @@ func (k *keyWatch) record(s State) {
 	if !s.Exists {
 		return // a deleted key keeps its history: a lower token later is a regression
 	}
-	if k.mode == TokenCreateLock {
+	if k.mode == lease.TokenCreateLock {
 		if cur, err := s.Current(); err == nil && s.LockIndex > 0 {
 			k.raise(uint64(cur), s)
 		}
@@ -376,7 +378,7 @@ func (w *Watcher) Reset(key string) error {
 	prev := k.state
 	if !prev.Known {
 		w.mu.Unlock()
-		return &TokenError{Key: key, State: prev, Err: ErrUnavailable, Cause: prev.Err}
+		return &TokenError{Key: key, State: prev, Err: lease.ErrUnavailable, Cause: prev.Err}
 	}
 	next := prev
 	next.Regression = nil
@@ -453,7 +455,7 @@ func (w *Watcher) Validate(ctx context.Context, key string, token int64, session
 	s, err := Read(ctx, w.client, key)
 	s.Mode = k.mode
 	if err != nil {
-		return s, &TokenError{Key: key, Token: token, Session: session, State: s, Err: ErrUnavailable, Cause: err}
+		return s, &TokenError{Key: key, Token: token, Session: session, State: s, Err: lease.ErrUnavailable, Cause: err}
 	}
 	s.Highest = hist.highest
 	if reason := hist.regressed(s); reason != "" {

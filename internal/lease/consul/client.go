@@ -1,4 +1,4 @@
-package lease
+package consul
 
 import (
 	"fmt"
@@ -7,10 +7,10 @@ import (
 	"github.com/hashicorp/consul/api"
 )
 
-// ConsulConfig says how to reach Consul's HTTP API. Empty fields fall back to Consul's own
+// Config says how to reach Consul's HTTP API. Empty fields fall back to Consul's own
 // environment variables (CONSUL_HTTP_ADDR, CONSUL_HTTP_TOKEN, CONSUL_CACERT,
 // CONSUL_CLIENT_CERT, CONSUL_CLIENT_KEY, ...), then to 127.0.0.1:8500 over HTTP.
-type ConsulConfig struct {
+type Config struct {
 	// Addr is host:port, or a URL with its scheme: http://host:port, https://host:port,
 	// unix:///path.
 	Addr string
@@ -26,7 +26,7 @@ type ConsulConfig struct {
 }
 
 // NewClient returns a Consul API client for c.
-func NewClient(c ConsulConfig) (*api.Client, error) {
+func NewClient(c Config) (*api.Client, error) {
 	cfg := api.DefaultConfig()
 	if c.Addr != "" {
 		cfg.Address = c.Addr

@@ -1,4 +1,4 @@
-package lease_test
+package zookeeper_test
 
 import (
 	"context"
@@ -15,26 +15,20 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"github.com/fenceproxy/fenceproxy/internal/lease"
+	"github.com/fenceproxy/fenceproxy/internal/lease/leasetest"
+	"github.com/fenceproxy/fenceproxy/internal/lease/zookeeper"
 	"github.com/fenceproxy/fenceproxy/internal/testenv"
 )
 
-func zkCampaign(t *testing.T, s *lease.ZooKeeperStore, resource string) lease.Lease {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
-	defer cancel()
-	l, err := s.Campaign(ctx, resource)
-	if err != nil {
-		t.Fatalf("Campaign(%q) as %q: %v", resource, s.Holder, err)
-	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		_ = l.Release(ctx)
+// czxid reads path's czxid, 0 when it does not exist.
+
+// TestMain doubles as the holder process of the freeze tests (leasetest.StartHolder).
+func TestMain(m *testing.M) {
+	leasetest.Main(m, map[string]func() int{
+		"LEASE_TEST_ZK_HOLDER": runZKHolder,
 	})
-	return l
 }
 
-// czxid reads path's czxid, 0 when it does not exist.
 func czxid(t *testing.T, c *zk.Conn, path string) int64 {
 	t.Helper()
 	ok, st, err := c.Exists(path)
@@ -50,7 +44,7 @@ func czxid(t *testing.T, c *zk.Conn, path string) int64 {
 // waitChildren waits until dir has n children.
 func waitChildren(t *testing.T, c *zk.Conn, dir string, n int) {
 	t.Helper()
-	eventually(t, waitTimeout, fmt.Sprintf("%s has %d children", dir, n), func() error {
+	leasetest.Eventually(t, leasetest.WaitTimeout, fmt.Sprintf("%s has %d children", dir, n), func() error {
 		children, _, err := c.Children(dir)
 		if err == nil && len(children) != n {
 			err = fmt.Errorf("children %v", children)
@@ -65,8 +59,8 @@ func TestZooKeeperLease(t *testing.T) {
 	t.Parallel()
 	z := testenv.StartZooKeeper(t)
 	c := z.Conn(t)
-	store := func(holder string, ttl time.Duration) *lease.ZooKeeperStore {
-		return &lease.ZooKeeperStore{Servers: []string{z.Addr}, TTL: ttl, Holder: holder}
+	store := func(holder string, ttl time.Duration) *zookeeper.Store {
+		return &zookeeper.Store{Servers: []string{z.Addr}, TTL: ttl, Holder: holder}
 	}
 
 	t.Run("recipe", func(t *testing.T) {
@@ -74,7 +68,7 @@ func TestZooKeeperLease(t *testing.T) {
 			t.Parallel()
 			// 3 s: a client starved for 2/3 of its session timeout drops the connection,
 			// which a loaded machine must not turn into a lost lease.
-			l := zkCampaign(t, store("a", 3*time.Second), "renew")
+			l := leasetest.Campaign(t, store("a", 3*time.Second), "renew")
 			if l.Store() != lease.StoreZooKeeper || !strings.HasPrefix(l.Key(), "/locks/renew/_c_") || l.Holder() == "" {
 				t.Errorf("lease: store %q key %q holder %q; want zookeeper, /locks/renew/_c_...", l.Store(), l.Key(), l.Holder())
 			}
@@ -100,7 +94,7 @@ func TestZooKeeperLease(t *testing.T) {
 			if !errors.Is(l.Err(), lease.ErrReleased) {
 				t.Errorf("Err after Release = %v, want ErrReleased", l.Err())
 			}
-			waitClosed(t, "Done after Release", l.Done(), time.Second)
+			leasetest.WaitClosed(t, "Done after Release", l.Done(), time.Second)
 			if got := czxid(t, c, l.Key()); got != 0 {
 				t.Errorf("lock node still there after Release (czxid %d)", got)
 			}
@@ -110,7 +104,7 @@ func TestZooKeeperLease(t *testing.T) {
 			t.Parallel()
 			var last int64
 			for i, holder := range []string{"a", "b", "a", "a", "b"} {
-				l := zkCampaign(t, store(holder, 5*time.Second), "handover")
+				l := leasetest.Campaign(t, store(holder, 5*time.Second), "handover")
 				if l.Token() <= last {
 					t.Fatalf("hand-over %d: token %d after %d, want higher", i, l.Token(), last)
 				}
@@ -121,7 +115,7 @@ func TestZooKeeperLease(t *testing.T) {
 					if err := c.Delete(l.Key(), -1); err != nil {
 						t.Fatal(err)
 					}
-					waitClosed(t, "Done after the node was deleted", l.Done(), waitTimeout)
+					leasetest.WaitClosed(t, "Done after the node was deleted", l.Done(), leasetest.WaitTimeout)
 					if err := l.Err(); !errors.Is(err, lease.ErrLockLost) || !strings.Contains(err.Error(), "deleted") {
 						t.Errorf("Err = %v, want ErrLockLost saying the node was deleted", err)
 					}
@@ -135,7 +129,7 @@ func TestZooKeeperLease(t *testing.T) {
 		t.Run("each waiter watches its predecessor and the lock goes in order", func(t *testing.T) {
 			t.Parallel()
 			const dir = "/locks/order"
-			a := zkCampaign(t, store("a", 5*time.Second), "order")
+			a := leasetest.Campaign(t, store("a", 5*time.Second), "order")
 			type result struct {
 				l   lease.Lease
 				err error
@@ -184,13 +178,13 @@ func TestZooKeeperLease(t *testing.T) {
 
 		t.Run("contenders are never two holders", func(t *testing.T) {
 			t.Parallel()
-			contend(t, func(name string) lease.Store { return store(name, 5*time.Second) }, "contend", 4, 3)
+			leasetest.Contend(t, func(name string) lease.Store { return store(name, 5*time.Second) }, "leasetest.Contend", 4, 3)
 		})
 
 		t.Run("a frozen holder's session expires and the next token is higher", func(t *testing.T) {
 			t.Parallel()
 			const resource = "frozen"
-			holder, _, next := startHolder(t, "LEASE_TEST_ZK_HOLDER=1", "LEASE_TEST_ZK="+z.Addr, "LEASE_TEST_RESOURCE="+resource)
+			holder, _, next := leasetest.StartHolder(t, "LEASE_TEST_ZK_HOLDER=1", "LEASE_TEST_ZK="+z.Addr, "LEASE_TEST_RESOURCE="+resource)
 			token, err := strconv.ParseInt(strings.TrimPrefix(next("token "), "token "), 10, 64)
 			if err != nil {
 				t.Fatal(err)
@@ -199,7 +193,7 @@ func TestZooKeeperLease(t *testing.T) {
 				t.Fatal(err)
 			}
 			frozen := time.Now()
-			contender := zkCampaign(t, store("contender", 2*time.Second), resource)
+			contender := leasetest.Campaign(t, store("contender", 2*time.Second), resource)
 			t.Logf("holder frozen -> new holder after %v (session timeout 2s)", time.Since(frozen).Round(time.Millisecond))
 			if contender.Token() <= token {
 				t.Errorf("tokens %d then %d, want higher", token, contender.Token())
@@ -217,7 +211,7 @@ func TestZooKeeperLease(t *testing.T) {
 
 		t.Run("a cancelled campaign leaves no node behind", func(t *testing.T) {
 			t.Parallel()
-			holder := zkCampaign(t, store("a", 5*time.Second), "cancel")
+			holder := leasetest.Campaign(t, store("a", 5*time.Second), "cancel")
 			ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
 			defer cancel()
 			if _, err := store("b", 5*time.Second).Campaign(ctx, "cancel"); !errors.Is(err, context.DeadlineExceeded) {
@@ -231,7 +225,7 @@ func TestZooKeeperLease(t *testing.T) {
 
 		t.Run("settings ZooKeeper cannot take are refused", func(t *testing.T) {
 			t.Parallel()
-			for _, s := range []*lease.ZooKeeperStore{
+			for _, s := range []*zookeeper.Store{
 				{Servers: []string{z.Addr}, TTL: 500 * time.Millisecond},
 				{Servers: []string{z.Addr}, TTL: 25 * time.Hour},
 				{Servers: []string{z.Addr}, Prefix: "locks/relative"},
@@ -247,10 +241,10 @@ func TestZooKeeperLease(t *testing.T) {
 	// Last, with the server down: a holder counts its lease lost a third of its session
 	// timeout after the connection dropped, without ZooKeeper's word; Release then returns
 	// nil.
-	l := zkCampaign(t, &lease.ZooKeeperStore{Servers: []string{z.Addr}, TTL: 3 * time.Second, Holder: "a", Logger: zaptest.NewLogger(t)}, "down")
+	l := leasetest.Campaign(t, &zookeeper.Store{Servers: []string{z.Addr}, TTL: 3 * time.Second, Holder: "a", Logger: zaptest.NewLogger(t)}, "down")
 	z.Stop(t)
 	stopped := time.Now()
-	waitClosed(t, "Done with ZooKeeper down", l.Done(), waitTimeout)
+	leasetest.WaitClosed(t, "Done with ZooKeeper down", l.Done(), leasetest.WaitTimeout)
 	t.Logf("lease lost %v after ZooKeeper stopped (session timeout 3s)", time.Since(stopped).Round(time.Millisecond))
 	if err := l.Err(); !errors.Is(err, lease.ErrLockLost) || !strings.Contains(err.Error(), "no connection to ZooKeeper") {
 		t.Errorf("Err = %v, want ErrLockLost: no connection to ZooKeeper", err)
@@ -266,6 +260,6 @@ func TestZooKeeperLease(t *testing.T) {
 // the lock of $LEASE_TEST_RESOURCE on $LEASE_TEST_ZK with a 2 s session timeout, prints
 // "token N", then "lost ERROR" when the lease is lost.
 func runZKHolder() int {
-	s := &lease.ZooKeeperStore{Servers: []string{os.Getenv("LEASE_TEST_ZK")}, TTL: 2 * time.Second, Holder: "frozen"}
-	return runStoreHolder(s, os.Getenv("LEASE_TEST_RESOURCE"))
+	s := &zookeeper.Store{Servers: []string{os.Getenv("LEASE_TEST_ZK")}, TTL: 2 * time.Second, Holder: "frozen"}
+	return leasetest.RunStoreHolder(s, os.Getenv("LEASE_TEST_RESOURCE"))
 }
