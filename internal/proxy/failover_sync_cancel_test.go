@@ -68,7 +68,9 @@ func TestFailoverSyncStandbyCancelledWaitAdmitsNobody(t *testing.T) {
 		errc := make(chan error, 1)
 		// The client waits as long as the proxy's login timeout: under load the bind reaches
 		// its SyncRep wait late, and a 20 s client gave up before the cancel's answer.
-		go func() { errc <- connectErrWithin(time.Minute, slow.FenceURL("app", "postgres", "billing", tok, params...)) }()
+		go func() {
+			errc <- connectErrWithin(time.Minute, slow.FenceURL("app", "postgres", "billing", tok, params...))
+		}()
 		eventually(t, 30*time.Second, "the bind waits for the synchronous standby", func() error {
 			var n int
 			if err := admin.QueryRow(ctxT(t), "SELECT count(*) FILTER (WHERE "+c.end+"(pid)) FROM pg_stat_activity WHERE wait_event = 'SyncRep' AND usename = 'app'").Scan(&n); err != nil {

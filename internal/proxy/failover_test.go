@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -126,4 +127,34 @@ func waitNewTimeline(t *testing.T, px *testenv.Proxy, resource string) {
 		}
 		return nil
 	})
+}
+
+// TestFailoverStandbyWaitIgnoresTheClientsSearchPath: the bind's statements and the WAL
+// position the standby wait needs run on the client's own backend, under its search_path. A
+// client that put a schema of its own ahead of pg_catalog, with a pg_current_wal_flush_lsn()
+// answering 0/0, was admitted while the named standby had not flushed its raise, and after a
+// failover to that standby the stale token wrote (a review's F4). The names are
+// schema-qualified and the bind's transaction pins its search_path.
+func TestFailoverStandbyWaitIgnoresTheClientsSearchPath(t *testing.T) {
+	pg, _ := replicatedDB(t)
+	pg.Exec(t, `CREATE SCHEMA appx AUTHORIZATION app;
+		CREATE FUNCTION appx.pg_current_wal_flush_lsn() RETURNS pg_lsn LANGUAGE sql AS $$SELECT '0/0'::pg_lsn$$;
+		ALTER FUNCTION appx.pg_current_wal_flush_lsn() OWNER TO app`)
+	px := failoverProxy(t, pg, "s1")
+	connect(t, px.FenceURL("app", "postgres", "billing", 1)).Close(ctxT(t))
+	// The standby stays in pg_stat_replication, its flush position stopped (its walsender
+	// frozen): only a position below the raise's tells that it lacks the raise.
+	var walsender int
+	if err := connect(t, pg.AdminURL()).QueryRow(ctxT(t), "SELECT pid FROM pg_stat_replication WHERE application_name = 's1'").Scan(&walsender); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Kill(walsender, syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { syscall.Kill(walsender, syscall.SIGCONT) }) //nolint:errcheck
+	err := connectErr(px.FenceURL("app", "postgres", "billing", 2, "search_path=appx,pg_catalog"))
+	wantCode(t, err, fence.CodeUnavailable)
+	if !strings.Contains(err.Error(), "standby s1") {
+		t.Fatalf("the refusal does not name the standby: %v", err)
+	}
 }

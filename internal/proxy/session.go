@@ -634,8 +634,12 @@ func (sess *session) toClient(typ byte, body []byte, flush bool) error {
 // client's statement, lock and idle-in-transaction timeouts (a bind that raises
 // waits for the stale backends to exit, within the raise's own bound and the
 // login timeout; a role or database setting of idle_in_transaction_session_timeout
-// ended the bind's transaction between its messages on a loaded server).
-const bindStart = "BEGIN ISOLATION LEVEL READ COMMITTED READ WRITE; SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0; SET LOCAL idle_in_transaction_session_timeout = 0"
+// ended the bind's transaction between its messages on a loaded server), and with
+// the search_path pinned to pg_catalog: the bind's statements name no function or
+// operator that the client's own search_path could shadow (a review's client defined
+// its own pg_current_wal_flush_lsn() ahead of pg_catalog and was admitted without
+// the standby wait).
+const bindStart = "BEGIN ISOLATION LEVEL READ COMMITTED READ WRITE; SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0; SET LOCAL idle_in_transaction_session_timeout = 0; SET LOCAL search_path = pg_catalog, pg_temp"
 
 // bind binds a fenced session's backend to its token (fence.bind, which
 // raises the token first when it is higher, ending the backends bound to lower

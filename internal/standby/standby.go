@@ -82,15 +82,17 @@ type Querier interface {
 // CommitLSNQuery reads, on the connection that just committed, a WAL position at or after
 // the end of its commit record (the insert position: also with synchronous_commit off,
 // where the commit may not be written yet). The PostgreSQL lease waits for it.
-const CommitLSNQuery = "SELECT pg_current_wal_insert_lsn()::text"
+const CommitLSNQuery = "SELECT pg_catalog.pg_current_wal_insert_lsn()::pg_catalog.text"
 
 // FlushedLSNQuery reads the primary's locally flushed WAL position. A fenced session's bind
 // waits for it: every raise commits with synchronous_commit at least local (fence.raise),
 // so a raise the bind saw (its own, or the one that admitted its token) is flushed at or
 // before it, while the bind's own record of the session, which no failover needs, may be
 // written later (synchronous_commit off; waiting for it measured about 110 ms more, the WAL
-// writer's delay).
-const FlushedLSNQuery = "SELECT pg_current_wal_flush_lsn()::text"
+// writer's delay). Schema-qualified: it runs on the client's own backend after the bind's
+// transaction, under the client's search_path, where a function of the client's could
+// answer instead (a review's F4).
+const FlushedLSNQuery = "SELECT pg_catalog.pg_current_wal_flush_lsn()::pg_catalog.text"
 
 // pendingQuery lists, for the set ($1 names, $2 slots, $3 every physical slot), the members
 // that have not flushed $4, each described, and how many members there are; it also says
