@@ -161,7 +161,7 @@ type Config struct {
 	// (0: DefaultConsulAnswerTimeout); a Consul that does not answer within it refuses the
 	// session (ZF007), well before the login timeout.
 	ConsulAnswerTimeout time.Duration `help:"At a session start, how long to wait for Consul's answer before refusing the session (ZF007, naming Consul); keep it well under --login-timeout." name:"consul-answer-timeout" default:"2s"`
-	ConsulDownMode      string        `help:"When Consul is unreachable: refuse (no new sessions; default) or trust-database (admit tokens not lower than the stored one)." name:"consul-down" default:"refuse" enum:"refuse,trust-database"`
+	ConsulDownMode      string        `help:"When Consul is unreachable: refuse (no new sessions; default) or trust-database (admit tokens not lower than the stored one; needs --control-database)." name:"consul-down" default:"refuse" enum:"refuse,trust-database"`
 	// ConsulTokenMode says which number of a lock key is the token: lockindex (the
 	// LockIndex, the default) or create-lock (CreateIndex×2^24+LockIndex, which stays
 	// monotonic when the key is deleted and re-created; see lease.EncodeToken).
@@ -280,6 +280,12 @@ func (c Config) validate() (*settings, error) {
 	case ConsulDownRefuse, ConsulDownTrustDatabase:
 	default:
 		return nil, fmt.Errorf("consul-down: %q is not refuse or trust-database", s.ConsulDownMode)
+	}
+	if s.ConsulDownMode == ConsulDownTrustDatabase && s.ControlDatabase == "" {
+		// Without the listener nothing tells the proxy of a failover, after which the
+		// database's word may be a lost timeline's: a review's stale token was admitted on
+		// the database's word after an asynchronous failover while Consul was down (F3).
+		return nil, errors.New("consul-down trust-database needs --control-database: the proxy admits on the database's word only while it knows the database did not fail over, which the control database's listener tells it (docs/consul.md)")
 	}
 	if _, err := lease.ParseTokenMode(s.ConsulTokenMode); err != nil {
 		return nil, fmt.Errorf("consul-token-mode: %w", err)

@@ -72,6 +72,12 @@ func TestFailoverStandbysConfig(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "control-database") {
 		t.Fatalf("--failover-standbys without --control-database: %v", err)
 	}
+	// trust-database admits on the database's word, which a failover the proxy does not see
+	// (no listener) makes a lost timeline's (a review's F3 committed a stale write).
+	_, err = proxy.New(proxy.Config{Upstream: "postgres://127.0.0.1:5432", Resources: []string{"billing=locks/billing"}, ConsulDownMode: proxy.ConsulDownTrustDatabase}, proxy.Options{})
+	if err == nil || !strings.Contains(err.Error(), "consul-down trust-database needs --control-database") {
+		t.Fatalf("--consul-down trust-database without --control-database: %v", err)
+	}
 	_, err = proxy.New(proxy.Config{Upstream: "postgres://127.0.0.1:5432", ControlDatabase: "postgres://127.0.0.1/x", FailoverStandbys: []string{"slot:"}}, proxy.Options{})
 	if err == nil || !strings.Contains(err.Error(), "slot:NAME") {
 		t.Fatalf("slot: without a name: %v", err)
