@@ -37,7 +37,7 @@ BEGIN
                                           THEN format('generation %s, held by %s until %s', l.generation, l.holder, l.expires_at)
                                           ELSE format('generation %s, not held now', l.generation) END
                               FROM fence.leases AS l WHERE l.resource = p_resource)),
-            HINT = format('One resource has one lock service. If nothing uses its PostgreSQL lease any more, stop its lease holders and run fenceproxy fence reset --resource %s --token N --database URL (N: the lock service''s current token), which forgets a lease that is not held; or give this lock another resource name.', p_resource);
+            HINT = format('One resource has one lock service: give this lock another resource name. Or, if nothing uses its PostgreSQL lease any more, stop its lease holders and have the fence schema''s owner delete its row (DELETE FROM fence.leases WHERE resource = %L); never lower its token below the lease''s generation afterwards (fenceproxy fence reset refuses that only while the row exists: its generations would be issued again).', p_resource);
     END IF;
     -- (C5) The shared path of the recorded holder, as in version 8.
     SELECT c.* INTO cur FROM fence.consul_tokens AS c WHERE c.resource = p_resource;

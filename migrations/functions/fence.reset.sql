@@ -7,8 +7,7 @@
 -- Not granted to PUBLIC: lowering the stored token re-admits stale leaders. Raising through
 -- it ends the lower-bound backends like a raise (P2); it records the reset in fence.history
 -- (H1) and forgets the resource's lock-service record, regression included (C1: the one way
--- out), and its PostgreSQL lease unless it is held (L12: the way to move a resource from the
--- lease to a lock service); it commits with synchronous_commit on (D1).
+-- out); it commits with synchronous_commit on (D1).
 CREATE OR REPLACE FUNCTION fence.reset(resource text, token bigint)
 RETURNS bigint
 LANGUAGE plpgsql
@@ -43,11 +42,6 @@ BEGIN
     UPDATE fence.tokens AS t SET token = p_token, updated_at = now() WHERE t.resource = p_resource;
     PERFORM fence.record_raise(p_resource, CASE WHEN created THEN NULL ELSE previous END, p_token, true); -- (H1, H2)
     DELETE FROM fence.consul_tokens AS c WHERE c.resource = p_resource; -- (C1)
-    -- (L12) A lease that is not held (released or expired) goes: no holder's bind rests on it.
-    -- A generation is issued twice only if this reset lowered the token below it, which the
-    -- operator's command refuses without --force (as it re-admits the holders in between).
-    DELETE FROM fence.leases AS l WHERE l.resource = p_resource
-        AND (l.holder IS NULL OR l.expires_at <= pg_catalog.clock_timestamp());
     PERFORM fence.notify(p_resource || ' ' || p_token || ' reset');
     PERFORM fence.commit_durably(); -- (P7, D1) raised or lowered, durable where a failover can take it
     RETURN CASE WHEN created THEN NULL ELSE previous END; -- NULL: no token was stored
