@@ -99,6 +99,9 @@ func (s *Server) NotReady(ctx context.Context) []string {
 		switch {
 		case errors.Is(err, standby.ErrSetup):
 			why = append(why, err.Error())
+		case err != nil && !s.conf().standbys.Empty() && ctx.Err() != nil:
+			// The standby wait reads on this connection: every fenced start would fail.
+			why = append(why, "the control database did not answer the read of the failover standbys' positions: "+err.Error())
 		case len(un) > 0:
 			why = append(why, "failover standbys cannot confirm a fenced session's start (each fails with ZF007): "+strings.Join(un, ", "))
 		}

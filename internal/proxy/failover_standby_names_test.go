@@ -138,3 +138,25 @@ func TestFailoverCascadingStandbyFailsClosedAndNotReady(t *testing.T) {
 	})
 	connect(t, upstream.FenceURL("app", "postgres", "billing", 1)).Close(ctxT(t))
 }
+
+// TestFailoverSlotWithoutStandbyIsNotReady: a physical slot keeps the position its standby
+// reached whether the standby streams or not; one that no standby streams from confirms no
+// new commit, so /readyz says not ready, naming it (a review's /readyz said ready with the
+// standby of slot:s1 stopped while every fenced start that raised failed).
+func TestFailoverSlotWithoutStandbyIsNotReady(t *testing.T) {
+	pg, sb := replicatedDB(t)
+	px := failoverProxy(t, pg, "slot:s1")
+	eventually(t, 15*time.Second, "ready while s1 streams", func() error {
+		if why := px.Server.NotReady(ctxT(t)); len(why) > 0 {
+			return fmt.Errorf("not ready: %q", why)
+		}
+		return nil
+	})
+	sb.Stop(t)
+	eventually(t, 30*time.Second, "not ready, naming the slot", func() error {
+		if why := strings.Join(px.Server.NotReady(ctxT(t)), "\n"); !strings.Contains(why, "slot s1 (no standby streams from it)") {
+			return fmt.Errorf("not ready for: %q", why)
+		}
+		return nil
+	})
+}

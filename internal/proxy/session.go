@@ -462,7 +462,9 @@ func (sess *session) admit(ctx context.Context) error {
 func (sess *session) admitToken(ctx context.Context) error {
 	s, cred := sess.srv, sess.cred
 	if w := s.controlMismatch(); w != "" {
-		return fatalFence(fence.Unavailable(cred.Resource, w))
+		fe := fence.Unavailable(cred.Resource, w)
+		fe.Hint = "The session is not started (fail closed). Point --control-database at the --upstream's hosts and restart the proxy (docs/guarantee.md)."
+		return fatalFence(fe)
 	}
 	sess.guardChecked = guardOf(s.admit, cred.Resource) != nil
 	if h := s.reg.Highest(sess.database, cred.Resource); h > cred.Token && !sess.guardChecked {

@@ -221,7 +221,22 @@ func (s Set) Unconfirmable(ctx context.Context, q Querier) ([]string, error) {
 	if s.Empty() {
 		return nil, nil
 	}
-	return s.pending(ctx, q, "0/0")
+	out, err := s.pending(ctx, q, "0/0")
+	if err != nil {
+		return nil, err
+	}
+	// A slot keeps the position its standby reached, streaming or not: one that no standby
+	// streams from confirms no new commit (a review's /readyz said ready with slot:s2 stopped).
+	var idle []string
+	slots := s.Slots
+	if slots == nil {
+		slots = []string{}
+	}
+	if err := q.QueryRow(ctx, `SELECT coalesce(array_agg('slot ' || slot_name || ' (no standby streams from it)' ORDER BY slot_name), '{}')
+        FROM pg_replication_slots WHERE slot_type = 'physical' AND NOT active AND (slot_name = ANY($1) OR $2)`, slots, s.AllSlots).Scan(&idle); err != nil {
+		return nil, err
+	}
+	return append(out, idle...), nil
 }
 
 // pending is one reading of the members of s that have not flushed lsn; an error wrapping
