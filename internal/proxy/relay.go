@@ -275,6 +275,10 @@ func (sess *session) endFencing(fe *fence.Error, answering bool) {
 		close(sess.endedCh)
 		// The server first: nothing it still sends may follow the error.
 		sess.server.Close()
+		// Its backend is gone: what lingers to answer the client takes no --max-clients
+		// slot (a review's new leader was refused 53300 while its predecessor's ended
+		// sessions lingered).
+		sess.freeSlot()
 		// Before cwMu: a relayed write blocked on a client that does not
 		// read, holding it, fails by then.
 		sess.client.SetWriteDeadline(time.Now().Add(time.Second)) //nolint:errcheck

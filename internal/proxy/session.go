@@ -91,6 +91,7 @@ type session struct {
 	draining     atomic.Bool                            // relay drains the client connection before it closes it
 	finSent      atomic.Bool                            // endFencing sent the client its FATAL and the end (no linger for an answer)
 	told         atomic.Bool                            // endFencing told the idle client with a FATAL (answerEnded's unit gets no second one)
+	slotFreed    atomic.Bool                            // the session's --max-clients slot is given back (freeSlot)
 
 	// loop is the session's time in the event loop (loop_linux.go), nil if it had none;
 	// resume says that serverToClient starts with the rest of a message the loop relayed
@@ -107,6 +108,14 @@ type session struct {
 	pending      *pendingEnd
 	pendingTimer *time.Timer
 	done         chan struct{} // closed when the relay ends
+}
+
+// freeSlot gives the session's --max-clients slot back, once: when it closes, or when a
+// raise ended its backend and only its client's answer remains.
+func (sess *session) freeSlot() {
+	if sess.slotFreed.CompareAndSwap(false, true) {
+		sess.srv.clients.Add(-1)
+	}
 }
 
 type sessionMode uint8
@@ -145,7 +154,7 @@ func (s *Server) handle(ctx context.Context, conn net.Conn) {
 		tc.SetNoDelay(true) //nolint:errcheck // best effort
 	}
 	n := s.clients.Add(1)
-	defer s.clients.Add(-1)
+	defer sess.freeSlot()
 	defer conn.Close()
 	// The subscription (what counts the session in its resource's sessions per token) is
 	// made by bind, and the start may still fail after it (the client gone before its

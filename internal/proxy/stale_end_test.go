@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgproto3"
 
 	"github.com/fenceproxy/fenceproxy/internal/fence"
@@ -362,5 +363,29 @@ func TestLateSyncAfterTheErrorIsAnswered(t *testing.T) {
 	}
 	if len(rest) != 1 || rest[0].Type != "ReadyForQuery" {
 		t.Fatalf("the late Sync got %d messages (%s), want one ReadyForQuery, then the end", len(rest), lastText(rest))
+	}
+}
+
+// TestStaleSessionsGiveBackTheirClientSlots: sessions a raise ended linger to answer their
+// client (up to 5 minutes for one that does not read), without a backend: they hold no
+// --max-clients slot, so the new leader gets its connections (a review's new leader was
+// refused 53300 while its frozen predecessor's sessions lingered).
+func TestStaleSessionsGiveBackTheirClientSlots(t *testing.T) {
+	pg, _ := fencedDB(t)
+	px := fencedProxy(t, pg, func(c *proxy.Config) { c.MaxClients = 3 })
+	old1 := connect(t, px.FenceURL("app", "postgres", "billing", 1))
+	old2 := connect(t, px.FenceURL("app", "postgres", "billing", 1))
+	defer old1.Close(ctxT(t))
+	defer old2.Close(ctxT(t))
+	connect(t, px.FenceURL("app", "postgres", "billing", 2)) // the third slot; ends old1, old2
+	for i := range 2 {
+		eventually(t, 15*time.Second, fmt.Sprintf("the new leader's connection %d", i+2), func() error {
+			c, err := pgx.Connect(ctxT(t), px.FenceURL("app", "postgres", "billing", 2))
+			if err != nil {
+				return err
+			}
+			t.Cleanup(func() { c.Close(context.Background()) })
+			return nil
+		})
 	}
 }
