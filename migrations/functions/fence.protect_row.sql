@@ -111,7 +111,7 @@ BEGIN
             MESSAGE = format('stale fencing token: resource "%s" token %s is lower than the token %s a row of %I.%I was written under',
                              res_old, tok_old, OLD.fence_token, TG_TABLE_SCHEMA, TG_TABLE_NAME),
             DETAIL = 'A session with a higher token wrote this row; this session may no longer write it.',
-            HINT = format('This process is no longer the leader for "%s": stop writing, acquire the lock again to get a new fencing token, and reconnect with it.', res_old);
+            HINT = format('A stale leader of "%s" must stop writing, acquire the lock again and reconnect with the new token. If this is the current leader (the row came from another token sequence: a fence reset that lowered the token, a row moved from another partition, fence.protect with a new expression), the table''s owner clears the row''s fence_token (docs/partitions.md).', res_old);
     END IF;
     IF TG_OP = 'DELETE' THEN
         RETURN OLD;

@@ -186,7 +186,7 @@ SELECT is(pg_temp.error_of($$SELECT dblink_exec('s3', 'DELETE FROM public.tap_ch
     ARRAY['ZF001',
           'stale fencing token: resource "tap-billing-3" token 5 is lower than the token 6 a row of public.tap_charges was written under',
           'A session with a higher token wrote this row; this session may no longer write it.',
-          'This process is no longer the leader for "tap-billing-3": stop writing, acquire the lock again to get a new fencing token, and reconnect with it.'],
+          'A stale leader of "tap-billing-3" must stop writing, acquire the lock again and reconnect with the new token. If this is the current leader (the row came from another token sequence: a fence reset that lowered the token, a row moved from another partition, fence.protect with a new expression), the table''s owner clears the row''s fence_token (docs/partitions.md).'],
     '(R2) a write under token 5 to a row of token 6 is ZF001, saying what to do');
 SELECT lives_ok($$SELECT dblink_exec('s3', 'UPDATE public.tap_charges SET amount = 3 WHERE id = 2')$$,
     '(R2) ... while the rows of token 5 stay its own');
