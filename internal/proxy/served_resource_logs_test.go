@@ -28,6 +28,14 @@ func TestLeaderLogsOnlyForServedResources(t *testing.T) {
 	}
 	for tok := 1; tok <= 3; tok++ { // after payroll's: the notifications come in order
 		mustExec(t, admin, "SELECT fence.reset('billing', $1)", tok)
+		// The listener reads the stored token for each notification: one reset at a time,
+		// or a later one is read for an earlier notification and a change goes unlogged.
+		eventually(t, 15*time.Second, fmt.Sprintf("the proxy follows billing's reset to %d", tok), func() error {
+			if h := p.Server.Registry().Highest("postgres", "billing"); h != int64(tok) {
+				return fmt.Errorf("the proxy knows token %d", h)
+			}
+			return nil
+		})
 	}
 	eventually(t, 15*time.Second, "billing's changes logged", func() error {
 		if n := logs.FilterMessage("leader changed").FilterField(zap.String("resource", "billing")).Len(); n != 2 {
